@@ -1,0 +1,14 @@
+"""shardgraph: a parallelism plan for a PyTorch model, compiled from declarations and applied
+with torch.distributed."""
+
+from .core import Axis, MeshContext, MeshLayout, PlanError, Settings, Violation
+from .graphs import Graph, Plan, Step
+from .graphs.toml import load_toml, loads_toml
+from .plugins import Kind, NoOptions, Plugin, Registry, builtin_registry, default_registry
+
+__all__ = [
+    "Axis", "Graph", "Kind", "MeshContext", "MeshLayout", "NoOptions", "Plan", "PlanError",
+    "Plugin", "Registry", "Settings", "Step", "Violation", "builtin_registry",
+    "default_registry", "load_toml", "loads_toml",
+]
+__version__ = "0.1.0"

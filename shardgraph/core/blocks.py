@@ -1,0 +1,45 @@
+"""Finding a model's transformer blocks: the unit FSDP wraps and checkpointing recomputes."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch.nn as nn
+
+from .errors import Violation
+
+
+def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str, nn.Module]]:
+    """``(fqn, module)`` of each block, in model order.
+
+    With ``pattern`` (an FQN glob such as ``"model.layers.*"``) the matching modules; else the
+    modules whose class HF lists in ``_no_split_modules``; else the children of the model's
+    largest ``nn.ModuleList``.
+    """
+    named = list(model.named_modules())
+    if pattern is not None:
+        return [(n, m) for n, m in named if n and fnmatch.fnmatchcase(n, pattern)]
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    if classes:
+        found = [(n, m) for n, m in named if type(m).__name__ in classes]
+        if found:
+            return found
+    lists = [(n, m) for n, m in named if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, layers = max(lists, key=lambda item: len(item[1]))
+    return [(f"{name}.{i}" if name else str(i), child) for i, child in enumerate(layers)]
+
+
+def blocks_violation(model: nn.Module, pattern: str | None, plugin: str) -> list[Violation]:
+    if find_blocks(model, pattern):
+        return []
+    what = f"no module matches blocks = {pattern!r}" if pattern else (
+        f"cannot find the transformer blocks of {type(model).__name__} "
+        "(no _no_split_modules, no nn.ModuleList)"
+    )
+    return [Violation(
+        "model", (f"plugins.{plugin}.blocks",), what,
+        hint="set the plugin's blocks option to an FQN glob such as 'model.layers.*'",
+        plugin=plugin,
+    )]

@@ -1,0 +1,69 @@
+"""The one error type users see, and the violations it carries."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+
+@attrs.frozen
+class Violation:
+    """One broken rule: which rule, which user keys, what is wrong, how to fix it."""
+
+    rule: str
+    keys: tuple[str, ...]
+    message: str
+    hint: str = ""
+    plugin: str | None = None
+
+    def render(self) -> str:
+        where = ", ".join(self.keys) if self.keys else "(plan)"
+        text = f"[{self.rule}] {where}: {self.message}"
+        return f"{text}\n    fix: {self.hint}" if self.hint else text
+
+
+class PlanError(ValueError):
+    """Raised once with every violation found; nothing has been changed when it is raised."""
+
+    def __init__(self, violations: Iterable[Violation]):
+        self.violations: tuple[Violation, ...] = tuple(violations)
+        if not self.violations:
+            raise ValueError("PlanError needs at least one violation")
+        count = len(self.violations)
+        head = f"{count} problem{'s' if count > 1 else ''} in the parallelism plan:"
+        super().__init__("\n".join([head, *("  - " + v.render() for v in self.violations)]))
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        return tuple(v.rule for v in self.violations)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(k for v in self.violations for k in v.keys)
+
+    @property
+    def rule(self) -> str:
+        return self.violations[0].rule
+
+    @property
+    def key(self) -> str | None:
+        keys = self.violations[0].keys
+        return keys[0] if keys else None
+
+    @property
+    def plugin(self) -> str | None:
+        return self.violations[0].plugin
+
+
+def did_you_mean(name: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for a close match, else the empty string."""
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def choices_hint(name: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    valid = ", ".join(repr(c) for c in sorted(choices))
+    return f"use {close[0]!r}" + f"; valid: {valid}" if close else f"valid: {valid}"

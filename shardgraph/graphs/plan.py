@@ -1,0 +1,162 @@
+"""Plan: the compiled, ordered steps and the mesh layout; applies itself to a model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..core.axes import MOE_AXES
+from ..core.context import MeshContext, build_mesh_context
+from ..core.errors import PlanError, Violation
+from ..core.layout import MeshLayout
+from ..core.options import converter, unstructure
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from ..plugins import Registry
+
+_APPLIED = "_shardgraph_plan"
+
+
+@attrs.frozen
+class Step:
+    """One plugin's apply with its options, and the options of what it consumes."""
+
+    plugin: str
+    options: Any
+    #: (capability, providing plugin, its options) for each consumed capability
+    inputs: tuple[tuple[str, str, Any], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"plugin": self.plugin, "options": unstructure(self.options)}
+        if self.inputs:
+            out["inputs"] = {
+                cap: {"plugin": name, "options": unstructure(opts)}
+                for cap, name, opts in self.inputs
+            }
+        return out
+
+
+@attrs.frozen
+class Plan:
+    layout: MeshLayout
+    steps: tuple[Step, ...]
+    registry: Registry = attrs.field(eq=False, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def step(self, plugin: str) -> Step | None:
+        return next((s for s in self.steps if s.plugin == plugin), None)
+
+    # -- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "world_size": lay.world_size,
+            "gpus_per_node": lay.gpus_per_node,
+            "sizes": lay.sizes(),
+            "mesh": {"names": [a.value for a in lay.mesh_axes], "shape": list(lay.mesh_shape)},
+            "moe_mesh": None if lay.moe_mesh_shape is None else
+            {"names": [a.value for a in MOE_AXES], "shape": list(lay.moe_mesh_shape)},
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], registry: Registry | None = None) -> Plan:
+        from ..plugins import default_registry
+
+        registry = registry if registry is not None else default_registry()
+        sizes = data["sizes"]
+        layout = MeshLayout(
+            world_size=data["world_size"], gpus_per_node=data["gpus_per_node"],
+            pp=sizes["pp"], dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard"],
+            cp=sizes["cp"], tp=sizes["tp"], ep=sizes["ep"], mesh_axes=data["mesh"]["names"],
+        )
+
+        def options(name: str, raw: Mapping[str, Any]) -> Any:
+            return converter.structure(dict(raw), registry.get(name).options)
+
+        steps = tuple(
+            Step(
+                plugin=s["plugin"],
+                options=options(s["plugin"], s["options"]),
+                inputs=tuple(
+                    (cap, i["plugin"], options(i["plugin"], i["options"]))
+                    for cap, i in s.get("inputs", {}).items()
+                ),
+            )
+            for s in data["steps"]
+        )
+        return cls(layout=layout, steps=steps, registry=registry)
+
+    @classmethod
+    def from_json(cls, text: str, registry: Registry | None = None) -> Plan:
+        return cls.from_dict(json.loads(text), registry)
+
+    # -- runtime --------------------------------------------------------------------------
+    def build_mesh(self, device_type: str = "cpu") -> MeshContext:
+        """The DeviceMesh(es) of this plan on the initialised default process group."""
+        return build_mesh_context(self.layout, device_type)
+
+    def check_model(self, model: nn.Module, ctx: MeshContext) -> None:
+        """Run every step's model checks; raise one PlanError with all that fail."""
+        bad: list[Violation] = []
+        if getattr(model, _APPLIED, None) is not None:
+            bad.append(Violation(
+                "applied-twice", (), "this model was already parallelised by a plan",
+                hint="build a fresh model and apply the plan once",
+            ))
+        if ctx.layout != self.layout:
+            bad.append(Violation(
+                "mesh-mismatch", (), "the MeshContext was built for another layout",
+                hint="use plan.build_mesh() of this plan",
+            ))
+        for step in self.steps:
+            plugin = self.registry.get(step.plugin)
+            if plugin.model_check is not None:
+                found = plugin.model_check(model, step.options, ctx)
+                bad += [attrs.evolve(v, plugin=v.plugin or step.plugin) for v in found]
+        if bad:
+            raise PlanError(bad)
+
+    def apply(self, model: nn.Module, ctx: MeshContext) -> nn.Module:
+        """Apply every step in order; returns the (possibly wrapped) model.
+
+        All model checks run first: when one fails nothing has been changed.
+        """
+        self.check_model(model, ctx)
+        for step in self.steps:
+            plugin = self.registry.get(step.plugin)
+            names = _param_names(model) if plugin.keeps_fqns else None
+            inputs = {cap: opts for cap, _, opts in step.inputs}
+            out = plugin.apply(model, step.options, ctx, inputs)
+            if out is None:
+                raise RuntimeError(f"plugin {step.plugin!r}: apply returned None, not the model")
+            if names is not None and out is model and _param_names(out) != names:
+                raise RuntimeError(
+                    f"plugin {step.plugin!r} declares keeps_fqns but renamed parameters"
+                )
+            model = out
+        object.__setattr__(model, _APPLIED, self)
+        return model
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Turn gradient reduction on (last micro-batch) or off (the others) where a step
+        supports deferring it; a no-op for steps that always reduce."""
+        for step in self.steps:
+            plugin = self.registry.get(step.plugin)
+            if plugin.grad_sync is not None:
+                plugin.grad_sync(model, step.options, enabled)
+
+
+def _param_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters()]

@@ -1,0 +1,178 @@
+"""The two TOML forms of a pipeline, read into the same Graph.
+
+Graph form: one ``[plugins.<name>]`` table per plugin. ``[distributed]`` form: NeMo AutoModel's
+``distributed:`` keys. Both may carry ``[mesh]``, ``[packed_sequence]`` and ``[step_scheduler]``.
+TOML only names registered plugins; it never names code to import.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import PlanError, Violation, did_you_mean
+from .graph import Entry, Graph
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+#: Sections read by ``shardgraph train``; the plan compiler leaves them alone.
+TRAINING_SECTIONS = ("model", "data", "train", "checkpoint")
+SECTIONS = ("plugins", "distributed", "mesh", "packed_sequence", "step_scheduler",
+            *TRAINING_SECTIONS)
+MESH_KEYS = ("world_size", "gpus_per_node")
+
+#: [distributed] keys that set an axis size -> (plugin, its sub-table of options)
+SIZE_KEYS = {
+    "tp_size": ("tp", None),
+    "pp_size": ("pp", "pipeline"),
+    "cp_size": ("cp", None),
+    "ep_size": ("ep", "moe"),
+    "dp_replicate_size": ("hsdp", None),
+}
+#: [distributed] boolean switches -> plugin
+SWITCHES = {"sequence_parallel": "sp", "activation_checkpointing": "activation_checkpointing"}
+#: [distributed.pipeline] NeMo names -> pp option names
+PIPELINE_KEYS = {
+    "pp_schedule": "schedule",
+    "pp_microbatch_size": "microbatch_size",
+    "scale_grads_in_schedule": "scale_grads_in_schedule",
+    "layers_per_stage": "layers_per_stage",
+    "stages_per_rank": "stages_per_rank",
+    "module_fqns_per_model_part": "stages",
+}
+DISTRIBUTED_KEYS = ("strategy", "dp_size", *SIZE_KEYS, *SWITCHES, "pipeline", "moe",
+                    "mixed_precision")
+
+
+def load_toml(path: str | Path) -> Graph:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError([Violation("file", (str(path),), f"cannot read {path}: {exc.strerror}",
+                                   hint="check the path")]) from None
+    return loads_toml(text, source=str(path))
+
+
+def parse(text: str, source: str = "<string>") -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PlanError([Violation(
+            "toml", (source,), f"malformed TOML in {source}: {exc}",
+            hint="fix the syntax at the line and column shown",
+        )]) from None
+
+
+def loads_toml(text: str, *, source: str = "<string>") -> Graph:
+    return graph_from_dict(parse(text, source))
+
+
+def graph_from_dict(data: Mapping[str, Any]) -> Graph:
+    bad: list[Violation] = []
+    for key in data:
+        if key not in SECTIONS:
+            bad.append(Violation("unknown-key", (key,),
+                                 f"unknown section {key!r}{did_you_mean(key, SECTIONS)}",
+                                 hint=f"valid sections: {', '.join(SECTIONS)}"))
+    if "plugins" in data and "distributed" in data:
+        bad.append(Violation("form", ("plugins", "distributed"),
+                             "a pipeline uses either [plugins.*] tables or [distributed], not both",
+                             hint="keep one form"))
+    graph = Graph()
+    _settings(graph, data, bad)
+    if "distributed" in data:
+        _distributed(graph, _table(data, "distributed", bad), bad)
+    else:
+        for name, options in _table(data, "plugins", bad).items():
+            if isinstance(options, dict):
+                graph.entries.append(Entry(name, options, path=f"plugins.{name}"))
+            else:
+                bad.append(Violation("type", (f"plugins.{name}",),
+                                     f"plugins.{name} must be a table, got {options!r}",
+                                     hint=f"write [plugins.{name}] with its options below"))
+    if bad:
+        raise PlanError(bad)
+    return graph
+
+
+def _table(data: Mapping[str, Any], key: str, bad: list[Violation], where: str = "") -> dict:
+    value = data.get(key, {})
+    if isinstance(value, dict):
+        return value
+    bad.append(Violation("type", (where + key,), f"{where + key} must be a table",
+                         hint=f"write [{where + key}]"))
+    return {}
+
+
+def _settings(graph: Graph, data: Mapping[str, Any], bad: list[Violation]) -> None:
+    for section, allowed in (("mesh", MESH_KEYS),
+                             ("packed_sequence", ("packed_sequence_size",)),
+                             ("step_scheduler", ("local_batch_size",))):
+        for key, value in _table(data, section, bad).items():
+            if key not in allowed:
+                bad.append(Violation(
+                    "unknown-key", (f"{section}.{key}",),
+                    f"[{section}] has no key {key!r}{did_you_mean(key, allowed)}",
+                    hint=f"valid keys: {', '.join(allowed)}"))
+                continue
+            setattr(graph, key, value)
+            graph.keys[key] = f"{section}.{key}"
+
+
+def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation]) -> None:
+    p = "distributed."
+    strategy = dist.get("strategy", "fsdp2")
+    if not isinstance(strategy, str):
+        bad.append(Violation("type", (p + "strategy",), f"strategy must be a string, got "
+                             f"{strategy!r}", hint="e.g. strategy = \"fsdp2\""))
+        strategy = "fsdp2"
+    strategy_options, strategy_origins = {}, {}
+    for key, value in dist.items():
+        if key in DISTRIBUTED_KEYS:
+            continue
+        close = did_you_mean(key, DISTRIBUTED_KEYS)
+        if close:
+            bad.append(Violation("unknown-key", (p + key,), f"[distributed] has no key "
+                                 f"{key!r}{close}", hint="valid keys: " + ", ".join(DISTRIBUTED_KEYS)))
+        else:  # anything else is an option of the strategy (defer_fsdp_grad_sync, ...)
+            strategy_options[key] = value
+            strategy_origins[key] = p + key
+    graph.entries.append(Entry(strategy, strategy_options, path=p + "strategy",
+                               origins=strategy_origins))
+    if "dp_size" in dist:
+        graph.dp_size = dist["dp_size"]
+        graph.keys["dp_size"] = p + "dp_size"
+    for key, (plugin, section) in SIZE_KEYS.items():
+        sub = _table(dist, section, bad, p) if section else {}
+        if key not in dist and not sub:
+            continue
+        options, origins = {"size": dist.get(key, 1)}, {"size": p + key}
+        names = PIPELINE_KEYS if section == "pipeline" else {k: k for k in sub}
+        for sub_key, value in sub.items():
+            if sub_key not in names:
+                bad.append(Violation(
+                    "unknown-key", (f"{p}{section}.{sub_key}",),
+                    f"[distributed.{section}] has no key {sub_key!r}"
+                    f"{did_you_mean(sub_key, list(names))}",
+                    hint="valid keys: " + ", ".join(names)))
+                continue
+            options[names[sub_key]] = value
+            origins[names[sub_key]] = f"{p}{section}.{sub_key}"
+        graph.entries.append(Entry(plugin, options, path=p + key, origins=origins))
+    for key, plugin in SWITCHES.items():
+        value = dist.get(key, False)
+        if not isinstance(value, bool):
+            bad.append(Violation("type", (p + key,), f"{key} must be true or false, got {value!r}",
+                                 hint=f"{key} = true"))
+        elif value:
+            graph.entries.append(Entry(plugin, {}, path=p + key))
+    if "mixed_precision" in dist:
+        mp = _table(dist, "mixed_precision", bad, p)
+        graph.entries.append(Entry("mixed_precision", mp, path=p + "mixed_precision",
+                                   origins={k: f"{p}mixed_precision.{k}" for k in mp}))

@@ -1,0 +1,1 @@
+"""Parallelisms and policies: tp, sp, pp, cp, ep, hsdp, activation checkpointing, mixed precision."""

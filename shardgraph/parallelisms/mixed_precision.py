@@ -1,0 +1,99 @@
+"""mixed_precision: a precision policy the data-parallel strategy consumes.
+
+When no active step consumes it (one device, tp without fsdp, ddp), it applies itself as
+``torch.autocast`` around the model's forward, as AMP does.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from ..core.context import MeshContext
+from ..core.errors import Violation, choices_hint, did_you_mean
+from ..plugins import Kind, Plugin
+
+DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+
+
+@attrs.frozen
+class MixedPrecisionOptions:
+    param_dtype: str = "bf16"
+    reduce_dtype: str = "bf16"
+    output_dtype: str = "bf16"
+    cast_forward_inputs: bool = True
+
+
+def dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def fsdp_policy(options: MixedPrecisionOptions | None) -> MixedPrecisionPolicy:
+    if options is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=dtype(options.param_dtype),
+        reduce_dtype=dtype(options.reduce_dtype),
+        output_dtype=dtype(options.output_dtype),
+        cast_forward_inputs=options.cast_forward_inputs,
+    )
+
+
+def _check(options: MixedPrecisionOptions, layout, settings) -> list[Violation]:
+    return [
+        Violation(
+            "option", (field,),
+            f"unknown dtype {getattr(options, field)!r}"
+            + did_you_mean(getattr(options, field), list(DTYPES)),
+            hint=choices_hint(getattr(options, field), list(DTYPES)),
+        )
+        for field in ("param_dtype", "reduce_dtype", "output_dtype")
+        if getattr(options, field) not in DTYPES
+    ]
+
+
+def _apply(model: nn.Module, options: MixedPrecisionOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    forward = model.forward
+    compute, output = dtype(options.param_dtype), dtype(options.output_dtype)
+
+    @functools.wraps(forward)
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast(ctx.device_type, dtype=compute):
+            out = forward(*args, **kwargs)
+        return _cast_floats(out, output)
+
+    model.forward = autocast_forward
+    return model
+
+
+def _cast_floats(value, to: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(to) if value.is_floating_point() else value
+    if isinstance(value, dict):  # HF ModelOutput is a dict subclass
+        for key in list(value.keys()):
+            value[key] = _cast_floats(value[key], to)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, to) for v in value)
+    return value
+
+
+PLUGIN = Plugin(
+    name="mixed_precision",
+    kind=Kind.POLICY,
+    options=MixedPrecisionOptions,
+    provides={"precision_policy"},
+    before={"data_parallel"},
+    check=_check,
+    apply=_apply,
+    doc="param/reduce/output dtypes for the strategy; autocast where no strategy consumes it",
+)

@@ -1,0 +1,141 @@
+"""pp: pipeline parallelism with ``torch.distributed.pipelining`` stages and schedules."""
+
+from __future__ import annotations
+
+import attrs
+
+from ..core.axes import Axis
+from ..core.errors import Violation, choices_hint, did_you_mean
+from ..plugins import Kind, Plugin
+from ._pending import not_yet
+
+
+@attrs.frozen
+class Schedule:
+    torch_class: str  # name in torch.distributed.pipelining.schedules
+    stages_per_rank: int  # default virtual stages per rank (1: single-stage schedule)
+    v_shape: bool = False  # stages placed in a V (rank r holds stages r and 2*pp-1-r)
+
+
+_S = {
+    "Schedule1F1B": Schedule("Schedule1F1B", 1),
+    "ScheduleGPipe": Schedule("ScheduleGPipe", 1),
+    "ScheduleInterleaved1F1B": Schedule("ScheduleInterleaved1F1B", 2),
+    "ScheduleLoopedBFS": Schedule("ScheduleLoopedBFS", 2),
+    "ScheduleInterleavedZeroBubble": Schedule("ScheduleInterleavedZeroBubble", 2),
+    "ScheduleZBVZeroBubble": Schedule("ScheduleZBVZeroBubble", 2, v_shape=True),
+    "ScheduleDualPipeV": Schedule("ScheduleDualPipeV", 2, v_shape=True),
+}
+
+#: Every accepted schedule name (lower-cased) -> its torch schedule. One table: the seed names,
+#: then torch's class names with and without the "Schedule" prefix.
+SCHEDULES: dict[str, Schedule] = {
+    "1f1b": _S["Schedule1F1B"],
+    "gpipe": _S["ScheduleGPipe"],
+    "interleaved_1f1b": _S["ScheduleInterleaved1F1B"],
+    "interleaved1f1b": _S["ScheduleInterleaved1F1B"],
+    "looped_bfs": _S["ScheduleLoopedBFS"],
+    "dfs": _S["ScheduleInterleaved1F1B"],  # depth-first looping: interleaved 1F1B
+    "v_schedule": _S["ScheduleZBVZeroBubble"],
+    "zero_bubble": _S["ScheduleInterleavedZeroBubble"],
+    **{name.lower(): s for name, s in _S.items()},
+    **{name.removeprefix("Schedule").lower(): s for name, s in _S.items()},
+}
+
+
+_CANONICAL = {}
+for _name, _s in SCHEDULES.items():
+    _CANONICAL.setdefault(_s.torch_class, _name)
+
+
+def schedule(name: str) -> Schedule | None:
+    return SCHEDULES.get(name.lower())
+
+
+def canonical(name: str) -> str:
+    """The first table name of a known schedule (so spellings compile to equal plans)."""
+    found = schedule(name) if isinstance(name, str) else None
+    return _CANONICAL[found.torch_class] if found else name
+
+
+@attrs.frozen
+class PPOptions:
+    size: int = 1
+    schedule: str = attrs.field(default="1f1b", converter=canonical)
+    microbatch_size: int = 1
+    #: virtual stages per rank; default 1 for single-stage schedules, 2 for multi-stage ones
+    stages_per_rank: int | None = None
+    #: decoder layers per stage (default: even split)
+    layers_per_stage: int | None = None
+    #: explicit module FQNs of each stage, overriding the even split
+    stages: list[list[str]] | None = None
+    scale_grads_in_schedule: bool = False
+
+
+def _check(options: PPOptions, layout, settings) -> list[Violation]:
+    bad = []
+    sched = schedule(options.schedule)
+    if sched is None:
+        seeds = sorted({k for k in SCHEDULES if not k.startswith("schedule")})
+        bad.append(Violation(
+            "option", ("schedule",),
+            f"unknown pipeline schedule {options.schedule!r}"
+            f"{did_you_mean(options.schedule.lower(), list(SCHEDULES))}",
+            hint=choices_hint(options.schedule.lower(), seeds),
+        ))
+    if options.microbatch_size < 1:
+        bad.append(Violation("option", ("microbatch_size",),
+                             f"microbatch_size must be >= 1, got {options.microbatch_size}",
+                             hint="set microbatch_size = 1 or more"))
+    for field in ("stages_per_rank", "layers_per_stage"):
+        value = getattr(options, field)
+        if value is not None and value < 1:
+            bad.append(Violation("option", (field,), f"{field} must be >= 1, got {value}",
+                                 hint=f"remove {field} or set it to 1 or more"))
+    if sched is not None and options.stages_per_rank is not None:
+        if sched.stages_per_rank == 1 and options.stages_per_rank != 1:
+            bad.append(Violation(
+                "option", ("stages_per_rank", "schedule"),
+                f"{options.schedule} runs one stage per rank, not {options.stages_per_rank}",
+                hint="use a multi-stage schedule (interleaved_1f1b, looped_bfs, zero_bubble, "
+                "v_schedule) or stages_per_rank = 1",
+            ))
+        if sched.v_shape and options.stages_per_rank != 2:
+            bad.append(Violation(
+                "option", ("stages_per_rank", "schedule"),
+                f"{options.schedule} places exactly 2 stages per rank in a V",
+                hint="set stages_per_rank = 2 or leave it out",
+            ))
+    lbs = settings.local_batch_size
+    if sched is not None and lbs is not None and options.microbatch_size >= 1:
+        if lbs % options.microbatch_size:
+            bad.append(Violation(
+                "option", ("microbatch_size", "settings.local_batch_size"),
+                f"local_batch_size = {lbs} is not divisible by microbatch_size = "
+                f"{options.microbatch_size}",
+                hint="choose a microbatch_size that divides the local batch size",
+            ))
+        elif lbs // options.microbatch_size < options.size:
+            bad.append(Violation(
+                "option", ("microbatch_size", "settings.local_batch_size"),
+                f"{lbs // options.microbatch_size} microbatches cannot fill {options.size} "
+                "pipeline stages",
+                hint=f"make local_batch_size / microbatch_size >= pp = {options.size}",
+            ))
+    return bad
+
+
+PLUGIN = Plugin(
+    name="pp",
+    kind=Kind.PARALLELISM,
+    options=PPOptions,
+    axis=Axis.PP,
+    provides={"pipeline_parallel", "model_parallel"},
+    before={"tensor_parallel", "sequence_parallel", "context_parallel", "expert_parallel",
+            "activation_checkpointing", "data_parallel"},
+    check=_check,
+    model_check=not_yet("pp", "tracked by the pipeline parallelism issue"),
+    apply=lambda model, options, ctx, inputs: model,
+    keeps_fqns=False,
+    doc="pipeline parallelism: stages from the model's pp plan, torch pipelining schedules",
+)

@@ -1,0 +1,18 @@
+"""The plugin protocol, the registry and entry-point discovery."""
+
+from ._registry import (
+    BUILTIN,
+    ENTRY_POINT_GROUP,
+    LoadFailure,
+    Registered,
+    Registry,
+    builtin_registry,
+    default_registry,
+)
+from ._spec import Apply, Check, GradSync, Kind, ModelCheck, NoOptions, Plugin
+
+__all__ = [
+    "BUILTIN", "ENTRY_POINT_GROUP", "Apply", "Check", "GradSync", "Kind", "LoadFailure",
+    "ModelCheck", "NoOptions", "Plugin", "Registered", "Registry", "builtin_registry",
+    "default_registry",
+]

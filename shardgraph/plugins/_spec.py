@@ -1,0 +1,101 @@
+"""What a plugin is: a frozen declaration the compiler reads, plus the code that applies it."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..core.axes import SIZED_AXES, Axis
+from ..core.errors import Violation
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
+    from ..core.layout import MeshLayout, Settings
+
+
+class Kind(enum.StrEnum):
+    STRATEGY = "strategy"  # the data-parallel wrap; at most one per plan
+    PARALLELISM = "parallelism"
+    POLICY = "policy"  # helps on one device too; kept at world size 1
+
+
+@attrs.frozen
+class NoOptions:
+    """Options class of a plugin that takes none."""
+
+
+#: ``check(options, layout, settings) -> violations``: rules that need no model. Keys are option
+#: names (``"schedule"``) or ``"settings.<field>"``; the compiler maps them to the user's paths.
+Check = Callable[[Any, "MeshLayout", "Settings"], list[Violation]]
+#: ``model_check(model, options, ctx) -> violations``: run on every step before any step applies.
+ModelCheck = Callable[["nn.Module", Any, "MeshContext"], list[Violation]]
+#: ``apply(model, options, ctx, inputs) -> model``; ``inputs`` maps a consumed capability to the
+#: options of the plugin that provided it.
+Apply = Callable[["nn.Module", Any, "MeshContext", dict[str, Any]], "nn.Module"]
+#: ``grad_sync(model, options, enabled)``: turn gradient reduction on/off for accumulation.
+GradSync = Callable[["nn.Module", Any, bool], None]
+
+
+def _frozen(value) -> frozenset[str]:
+    return frozenset((value,) if isinstance(value, str) else value)
+
+
+@attrs.frozen(kw_only=True)
+class Plugin:
+    """A plugin's declaration. The compiler reads only these fields, never ``name`` for meaning.
+
+    ``axis``: the mesh axis whose process group the plugin works over. For a sized axis
+    (``pp, dp_replicate, cp, tp, ep``) the options class must have ``size: int``.
+    ``provides`` / ``requires`` / ``conflicts`` / ``before`` / ``after`` / ``consumes`` hold
+    capability flags. ``before={"data_parallel"}`` orders this plugin's step before every step
+    that provides ``data_parallel``. A ``consumes``d capability's provider runs no step of its own
+    while the consumer runs: its options reach the consumer's ``apply`` instead.
+    ``within_node``: the axis must divide ``gpus_per_node``.
+    ``apply=None``: the plugin only shapes the mesh (hsdp) and has no step.
+    """
+
+    name: str
+    kind: Kind = attrs.field(converter=Kind)
+    options: type = NoOptions
+    axis: Axis | None = attrs.field(default=None, converter=attrs.converters.optional(Axis))
+    within_node: bool = False
+    mesh_axes: tuple[Axis, ...] | None = None
+    provides: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+    requires: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+    conflicts: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+    before: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+    after: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+    consumes: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+    check: Check | None = attrs.field(default=None, eq=False)
+    model_check: ModelCheck | None = attrs.field(default=None, eq=False)
+    apply: Apply | None = attrs.field(default=None, eq=False)
+    grad_sync: GradSync | None = attrs.field(default=None, eq=False)
+    keeps_fqns: bool = True
+    doc: str = ""
+
+    def problems(self) -> list[str]:
+        """What is wrong with this declaration itself (reported when it is registered)."""
+        out = []
+        if not self.name.isidentifier():
+            out.append(f"name {self.name!r} is not an identifier")
+        if not attrs.has(self.options):
+            out.append(f"options {self.options!r} is not an attrs class")
+        elif self.axis in SIZED_AXES and "size" not in attrs.fields_dict(self.options):
+            out.append(f"owns sized axis {self.axis.value!r} but its options have no 'size'")
+        overlap = (self.before & self.after) | (self.provides & self.conflicts)
+        if overlap:
+            out.append(f"declares {sorted(overlap)} on both sides of an ordering or conflict")
+        for attr in ("check", "model_check", "apply", "grad_sync"):
+            value = getattr(self, attr)
+            if value is not None and not callable(value):
+                out.append(f"{attr} is not callable")
+        return out
+
+    @property
+    def sized(self) -> bool:
+        return self.axis in SIZED_AXES

@@ -1,0 +1,1 @@
+"""Data-parallel strategies: fsdp2, megatron_fsdp, ddp."""

@@ -1,0 +1,66 @@
+"""Run a function on a real gloo process group of N CPU processes, with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out: str, fn, args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+    except BaseException:
+        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            # gloo aborts at exit now and then unless the group is torn down first
+            dist.destroy_process_group()
+        time.sleep(0.3)
+
+
+def run(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    """``fn(rank, world_size, *args)`` on every rank; returns each rank's result.
+
+    A failing rank makes the others be terminated (no hang); the error text of every failed
+    rank is raised here. ``fn`` must be importable (module level).
+    """
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(
+            _worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size,
+            join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks exceeded {timeout}s")
+        except Exception as exc:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            errors = sorted(Path(out).glob("rank*.err"))
+            detail = "\n".join(f"--- {e.stem} ---\n{e.read_text()}" for e in errors)
+            raise RuntimeError(f"{exc}\n{detail}") from None
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,55 @@
+"""Tiny models built from configs (random weights, never a download) and the reference step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+VOCAB, SEQ = 128, 8
+
+
+def tiny_llama(layers: int = 2, seed: int = 0, **overrides) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  attn_implementation="sdpa", use_cache=False)
+    config.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**config))
+
+
+def batch(global_batch: int = 4, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (global_batch, seq), generator=g)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def sgd_step(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> float:
+    """One SGD step on ``tokens`` (labels = inputs); returns the loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def reference(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> tuple[float, dict]:
+    ref = copy.deepcopy(model)
+    loss = sgd_step(ref, tokens, lr)
+    return loss, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def max_param_diff(model: nn.Module, expected: dict, strip: str = "") -> float:
+    worst = 0.0
+    for name, p in model.named_parameters():
+        key = name.removeprefix(strip)
+        worst = max(worst, (full(p).float() - expected[key].float()).abs().max().item())
+    return worst
