@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed._composable import _get_registry
+from torch.distributed.fsdp import FSDPModule
 
-from shardgraph import Graph
+from shardgraph import Graph, PlanError
 from tests import _dist
 from tests.models import batch, full, max_param_diff, reference, sgd_step, tiny_llama
 
@@ -76,8 +77,31 @@ def _scenario(name: str, world_size: int) -> dict:
     return result
 
 
+def _rejected_untouched(world_size: int) -> dict:
+    """A failing model check leaves the model exactly as it was: no step has run."""
+    plan = Graph().add("fsdp2").add("activation_checkpointing", blocks="nothing.*").compile(
+        world_size=world_size)
+    ctx = plan.build_mesh("cpu")
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        plan.apply(model, ctx)
+    except PlanError as exc:
+        error = exc
+    after = model.state_dict()
+    return {
+        "rule": error.rule, "keys": error.keys,
+        "same_state": before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before),
+        "wrapped": isinstance(model, FSDPModule) or any(
+            isinstance(m, FSDPModule) for m in model.modules()),
+    }
+
+
 def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
-    return {name: _scenario(name, world_size) for name in names}
+    results = {name: _scenario(name, world_size) for name in names}
+    results["rejected"] = _rejected_untouched(world_size)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +165,10 @@ def test_deferred_grad_sync_reduces_only_on_the_last_microbatch(world2):
         assert not got["grad_after_first"]  # nothing reduced into the sharded grads yet
         assert abs(got["loss"] - got["ref_loss"]) < 1e-5, got
         assert got["param_diff"] < 1e-6, got
+
+
+def test_failed_model_check_leaves_the_model_untouched(world2):
+    for r in world2:
+        got = r["rejected"]
+        assert got["rule"] == "model" and "plugins.activation_checkpointing.blocks" in got["keys"]
+        assert got["same_state"] and not got["wrapped"]
