@@ -64,6 +64,7 @@ def did_you_mean(name: str, choices: Sequence[str]) -> str:
 
 
 def choices_hint(name: str, choices: Sequence[str]) -> str:
+    """``use 'x'; valid: ...`` with the closest choice first when there is one."""
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
-    valid = ", ".join(repr(c) for c in sorted(choices))
-    return f"use {close[0]!r}" + f"; valid: {valid}" if close else f"valid: {valid}"
+    valid = "valid: " + ", ".join(repr(c) for c in sorted(choices))
+    return f"use {close[0]!r}; {valid}" if close else valid

@@ -199,11 +199,11 @@ def _derive_layout(graph, resolved, world_size, gpus_per_node, bad) -> MeshLayou
             ))
     rep_key = owner[Axis.DP_REPLICATE].entry.origin("size") if Axis.DP_REPLICATE in owner else ""
     if replicate > 1 and (dp % replicate or replicate >= dp):
-        why = ("does not divide" if dp % replicate
-               else "is not smaller than (pure replication has nothing to shard)")
+        why = (f"does not divide dp = {dp}" if dp % replicate
+               else f"leaves dp_shard = {dp // replicate}: pure replication, nothing to shard")
         bad.append(Violation(
             "dp-replicate", (rep_key, graph.key("world_size")),
-            f"dp_replicate = {replicate} {why} dp = {dp}",
+            f"dp_replicate = {replicate} {why}",
             hint=f"choose a divisor of {dp} smaller than {dp}, or use ddp for pure replication",
             plugin=owner[Axis.DP_REPLICATE].plugin.name,
         ))
