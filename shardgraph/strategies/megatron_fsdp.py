@@ -62,11 +62,17 @@ def _apply(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContext, inp
 
     unit_classes = sorted({type(block) for _, block in find_blocks(model, options.blocks)},
                           key=lambda cls: cls.__name__)
+    shard_dim = "dp"
+    if ctx.cp_size > 1:
+        # Megatron-FSDP shards over a flattened dp x cp sub-mesh (CP ranks hold equal weights).
+        ctx.device_mesh["dp", "cp"]._flatten("dp_cp")
+        shard_dim = "dp_cp"
     return fully_shard_model(
         module=model,
         device_mesh=ctx.device_mesh,
-        dp_shard_dim="dp",
+        dp_shard_dim=shard_dim,
         tp_dim="tp",
+        device=ctx.device,
         fsdp_unit_modules=unit_classes,
         zero_dp_strategy=options.zero_dp_strategy,
         overlap_grad_reduce=options.overlap_grad_reduce,
