@@ -1,0 +1,202 @@
+"""The training sections of a pipeline file: ``[model]``, ``[data]``, ``[train]``, ``[checkpoint]``.
+
+Read with the strictness of the plan sections: an unknown key or a value of the wrong type is a
+``PlanError`` naming the key, collected with every other problem and raised once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..core.errors import PlanError, Violation, did_you_mean
+from ..graphs.graph import Graph
+from ..graphs.toml import graph_from_dict, parse
+
+
+@attrs.frozen
+class ModelConfig:
+    #: an HF causal-LM class name (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...)
+    architecture: str = "LlamaForCausalLM"
+    #: values passed to the architecture's config class
+    config: dict[str, Any] = attrs.field(factory=dict)
+    #: a local HF directory (config.json, optional weights) instead of ``architecture``
+    path: str | None = None
+    #: "fp32" or "bf16": the dtype the parameters are created in
+    dtype: str = "fp32"
+
+
+@attrs.frozen
+class DataConfig:
+    seq_len: int = 16
+    #: None: a seeded synthetic token stream; else a local file (.txt: UTF-8 bytes as tokens;
+    #: .npy or .bin: token ids, .bin read as ``token_dtype``)
+    path: str | None = None
+    token_dtype: str = "uint16"
+
+
+@attrs.frozen
+class TrainConfig:
+    steps: int = 20
+    global_batch_size: int = 8
+    #: sequences per forward on one rank; default: the whole local batch in one forward
+    micro_batch_size: int | None = None
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    seed: int = 0
+    #: clip the global gradient norm to this value (0: no clipping)
+    grad_clip: float = 0.0
+    #: print a progress line every N steps
+    log_every: int = 1
+
+
+@attrs.frozen
+class CheckpointConfig:
+    #: where checkpoints live (``step_00000010/`` each); None: no checkpoints
+    dir: str | None = None
+    #: save every N steps (0: only at the end)
+    every: int = 0
+    #: how many complete checkpoints to keep (the oldest are deleted after a successful save)
+    keep: int = 2
+    #: "auto": resume from the newest complete checkpoint in ``dir`` if any; "never";
+    #: or the path of one checkpoint, which must exist
+    resume: str = "auto"
+    #: write a consolidated HF safetensors directory here at the end of training
+    export_hf: str | None = None
+
+
+@attrs.frozen
+class Pipeline:
+    """A pipeline file: the parallelism graph and the training sections."""
+
+    graph: Graph
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig
+    source: str = "<string>"
+    raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+            "checkpoint": CheckpointConfig}
+OPTIMIZERS = ("sgd", "adamw")
+DTYPES = ("fp32", "bf16")
+TOKEN_DTYPES = ("uint16", "int32", "int64")
+
+_TYPES = {int: "an integer", float: "a number", str: "a string", dict: "a table"}
+
+
+def _field_type(field: attrs.Attribute) -> type:
+    text = str(field.type)
+    for name, kind in (("dict", dict), ("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return kind
+    raise TypeError(text)  # pragma: no cover - a new field with a new type
+
+
+def _section(name: str, table: Any, bad: list[Violation]) -> Any:
+    cls = SECTIONS[name]
+    if not isinstance(table, dict):
+        bad.append(Violation("type", (name,), f"{name} must be a table, got {table!r}",
+                             hint=f"write [{name}] with its keys below"))
+        return cls()
+    fields = {f.name: f for f in attrs.fields(cls)}
+    values = {}
+    for key, value in table.items():
+        if key not in fields:
+            bad.append(Violation(
+                "unknown-key", (f"{name}.{key}",),
+                f"[{name}] has no key {key!r}{did_you_mean(key, list(fields))}",
+                hint=f"valid keys: {', '.join(fields)}"))
+            continue
+        kind = _field_type(fields[key])
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            bad.append(Violation(
+                "type", (f"{name}.{key}",),
+                f"{name}.{key} must be {_TYPES[kind]}, got {value!r}",
+                hint=f"e.g. {key} = {fields[key].default!r}" if fields[key].default
+                not in (None, attrs.NOTHING) and kind is not dict else f"give {key} {_TYPES[kind]}"))
+            continue
+        values[key] = value
+    return cls(**values)
+
+
+def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
+    model, data, train, ckpt = p["model"], p["data"], p["train"], p["checkpoint"]
+
+    def need(cond: bool, key: str, message: str, hint: str) -> None:
+        if not cond:
+            bad.append(Violation("value", (key,), message, hint=hint))
+
+    for key, value in (("data.seq_len", data.seq_len), ("train.steps", train.steps),
+                       ("train.global_batch_size", train.global_batch_size),
+                       ("train.log_every", train.log_every), ("checkpoint.keep", ckpt.keep)):
+        need(value >= 1, key, f"{key} must be >= 1, got {value}", "use a positive integer")
+    need(train.micro_batch_size is None or train.micro_batch_size >= 1,
+         "train.micro_batch_size", f"train.micro_batch_size must be >= 1, got "
+         f"{train.micro_batch_size}", "use a positive integer or leave it out")
+    need(ckpt.every >= 0, "checkpoint.every", f"checkpoint.every must be >= 0, got {ckpt.every}",
+         "0 saves only at the end")
+    need(train.lr > 0, "train.lr", f"train.lr must be > 0, got {train.lr}", "e.g. lr = 0.01")
+    need(train.optimizer in OPTIMIZERS, "train.optimizer",
+         f"unknown optimizer {train.optimizer!r}{did_you_mean(train.optimizer, OPTIMIZERS)}",
+         f"valid: {', '.join(OPTIMIZERS)}")
+    need(model.dtype in DTYPES, "model.dtype",
+         f"unknown dtype {model.dtype!r}{did_you_mean(model.dtype, DTYPES)}",
+         f"valid: {', '.join(DTYPES)}")
+    need(data.token_dtype in TOKEN_DTYPES, "data.token_dtype",
+         f"unknown token dtype {data.token_dtype!r}", f"valid: {', '.join(TOKEN_DTYPES)}")
+    if data.path is not None:
+        path = Path(data.path)
+        need(path.is_file(), "data.path", f"data file {data.path!r} does not exist",
+             "give the path of a .txt, .npy or .bin token file, or remove data.path for "
+             "synthetic tokens")
+        need(path.suffix in (".txt", ".npy", ".bin"), "data.path",
+             f"data file {data.path!r} has an unknown suffix {path.suffix!r}",
+             "use .txt (UTF-8 text, bytes as tokens), .npy or .bin (token ids)")
+    if model.path is not None:
+        need(Path(model.path, "config.json").is_file(), "model.path",
+             f"{model.path!r} is not a local HF model directory (no config.json)",
+             "give a directory written by save_pretrained; hub names are never downloaded")
+    need(ckpt.resume in ("auto", "never") or ckpt.dir is not None or Path(ckpt.resume).exists(),
+         "checkpoint.resume", f"checkpoint {ckpt.resume!r} does not exist",
+         "give the path of a checkpoint directory, \"auto\" or \"never\"")
+    need(not (ckpt.every and ckpt.dir is None), "checkpoint.every",
+         "checkpoint.every is set but checkpoint.dir is not", "set checkpoint.dir = \"ckpt\"")
+
+
+def pipeline_from_dict(data: Mapping[str, Any], source: str = "<string>") -> Pipeline:
+    bad: list[Violation] = []
+    try:
+        graph = graph_from_dict(data)
+    except PlanError as exc:
+        bad += exc.violations
+        graph = Graph()
+    sections = {name: _section(name, data.get(name, {}), bad) for name in SECTIONS}
+    _rules(sections, bad)
+    if bad:
+        raise PlanError(bad)
+    return Pipeline(graph=graph, source=source, raw=dict(data), **sections)
+
+
+def loads_pipeline(text: str, source: str = "<string>") -> Pipeline:
+    return pipeline_from_dict(parse(text, source), source)
+
+
+def load_pipeline(path: str | Path) -> Pipeline:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError([Violation("file", (str(path),), f"cannot read {path}: {exc.strerror}",
+                                   hint="check the path")]) from None
+    return loads_pipeline(text, str(path))

@@ -1,0 +1,277 @@
+"""The training loop: build, parallelise, train, report, checkpoint.
+
+Runs on every rank of an initialised process group (or in one process without any). It only
+talks to the plan through ``Plan.build_mesh``, ``Plan.apply`` and ``Plan.gradient_sync``, and
+to a pipelined model through its ``step`` (``Plan.train_step`` when present), so each new
+plugin works here without a change to this file.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..core.errors import PlanError, Violation
+from ..graphs.plan import Plan
+from . import checkpoint as ckpt
+from .config import Pipeline
+from .data import TokenStream, local_slice
+from .model import build_model, fingerprint, hf_config
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_size") -> Plan:
+    """The plan at ``world_size`` plus the training rules that need it (batch split)."""
+    graph = pipeline.graph
+    bad: list[Violation] = []
+    if graph.world_size is not None and graph.world_size != world_size:
+        bad.append(Violation(
+            "world-size", (nproc_key, "mesh.world_size"),
+            f"the pipeline is laid out for mesh.world_size = {graph.world_size}, "
+            f"not {world_size} processes", hint=f"run with --nproc {graph.world_size}, or "
+            "change/remove mesh.world_size"))
+        raise PlanError(bad)
+    plan = graph.compile(world_size=world_size)
+    dp, train = plan.layout.dp, pipeline.train
+    if train.global_batch_size % dp:
+        bad.append(Violation(
+            "batch", ("train.global_batch_size", nproc_key),
+            f"global_batch_size = {train.global_batch_size} cannot be split over "
+            f"dp = {dp} data-parallel ranks", hint=f"use a multiple of {dp}, or fewer processes"))
+    elif train.micro_batch_size and (train.global_batch_size // dp) % train.micro_batch_size:
+        bad.append(Violation(
+            "batch", ("train.micro_batch_size", "train.global_batch_size"),
+            f"the local batch of {train.global_batch_size // dp} sequences is not a multiple "
+            f"of micro_batch_size = {train.micro_batch_size}",
+            hint="choose a micro_batch_size that divides global_batch_size / dp"))
+    if bad:
+        raise PlanError(bad)
+    return plan
+
+
+def resume_point(pipeline: Pipeline) -> Path | None:
+    """The checkpoint to resume from, validated against this model (no process group needed)."""
+    c = pipeline.checkpoint
+    if c.resume == "never":
+        if c.dir is not None and ckpt.complete_checkpoints(Path(c.dir)):
+            raise PlanError([Violation(
+                "checkpoint", ("checkpoint.dir", "checkpoint.resume"),
+                f"{c.dir} already holds checkpoints and resume = \"never\" would overwrite them",
+                hint="use resume = \"auto\" or a new checkpoint.dir")])
+        return None
+    if c.resume == "auto":
+        path = ckpt.latest(Path(c.dir)) if c.dir is not None else None
+    else:
+        path = Path(c.resume)
+    if path is None:
+        return None
+    meta = ckpt.read_meta(path)
+    ckpt.check_compatible(meta, fingerprint(pipeline.model), path)
+    return path
+
+
+def make_optimizer(model: nn.Module, pipeline: Pipeline) -> torch.optim.Optimizer:
+    t = pipeline.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    # ru_maxrss is in KiB on Linux: the process's peak resident memory
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    # Labels are the inputs: HF shifts them and averages over the tokens of the batch.
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def _causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _pipelined(model: nn.Module) -> bool:
+    return hasattr(model, "model_parts") and callable(getattr(model, "step", None))
+
+
+class Reporter:
+    """Progress on rank 0: a bar on a terminal, plain lines in a log, JSON lines to a file."""
+
+    def __init__(self, total: int, metrics: str | None, log_every: int, rank: int):
+        self.total, self.log_every, self.rank = total, log_every, rank
+        self.tty = sys.stdout.isatty()
+        self.file = open(metrics, "a") if metrics and rank == 0 else None
+
+    def step(self, row: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        s = row["step"]
+        mem = "/".join(f"{b / 2**20:.0f}" for b in row["peak_mem_bytes_per_rank"])
+        text = (f"step {s:>4}/{self.total}  loss {row['loss']:.4f}  "
+                f"{row['tokens_per_s']:,.0f} tok/s  {row['step_time_s'] * 1e3:.0f} ms/step  "
+                f"peak MiB per rank {mem}")
+        if self.tty:
+            done = int(20 * s / self.total)
+            end = "\n" if s == self.total else ""
+            print(f"\r[{'#' * done}{'.' * (20 - done)}] {text}", end=end, flush=True)
+        elif s % self.log_every == 0 or s == self.total:
+            print(text, flush=True)
+
+    def info(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None = None,
+          on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Train on the current process group; returns the per-step rows and the final model."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    t = pipeline.train
+    total = steps if steps is not None else t.steps
+    plan = compile_for(pipeline, world)
+    resume = resume_point(pipeline)
+    dev = device_type()
+    ctx = plan.build_mesh(dev)
+
+    model = build_model(pipeline.model, seed=t.seed)
+    if dev != "cpu":
+        model = model.to(ctx.device)
+    model = plan.apply(model, ctx)
+    optimizer = make_optimizer(model, pipeline)
+    stream = TokenStream(pipeline.data, hf_config(pipeline.model).vocab_size, seed=t.seed)
+
+    start = 0
+    report = Reporter(total, metrics, t.log_every, rank)
+    if resume is not None:
+        ckpt.load(resume, model, optimizer)
+        saved = ckpt.read_meta(resume)
+        start = saved["step"]
+        if saved.get("data_position", start * t.global_batch_size) != start * t.global_batch_size:
+            raise PlanError([Violation(
+                "checkpoint", ("train.global_batch_size", "checkpoint.resume"),
+                f"{resume} was saved with global_batch_size = {saved.get('global_batch_size')}",
+                hint="resume with the batch size it was saved with")])
+        report.info(f"resumed from {resume} at step {start}")
+
+    dp_size, dp_rank, loss_group = 1, 0, None
+    if ctx.device_mesh is not None:
+        dp = ctx.mesh("dp")
+        dp_size, dp_rank = dp.size(), dp.get_local_rank()
+        loss_group = ctx.mesh("dp_cp").get_group()
+    local = t.global_batch_size // dp_size
+    micro = t.micro_batch_size or local
+    n_micro = local // micro
+    pipelined = _pipelined(model)
+    train_step = getattr(plan, "train_step", None)
+    seq_tokens = t.global_batch_size * pipeline.data.seq_len
+    root = Path(pipeline.checkpoint.dir) if pipeline.checkpoint.dir else None
+    meta = {"model": fingerprint(pipeline.model), "global_batch_size": t.global_batch_size,
+            "seq_len": pipeline.data.seq_len, "world_size": world,
+            "plan": [s.plugin for s in plan.steps]}
+    rows: list[dict[str, Any]] = []
+    model.train()
+    for step in range(start, total):
+        if dev != "cpu":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        position = step * t.global_batch_size
+        tokens = local_slice(stream.batch(position, t.global_batch_size), dp_rank, dp_size)
+        tokens = tokens.to(ctx.device)
+        if pipelined:
+            # The pipeline schedule splits the batch into its own microbatches.
+            if train_step is not None:
+                loss = train_step(model, tokens, tokens, _causal_lm_loss)
+            else:
+                loss = model.step(tokens, tokens, _causal_lm_loss)
+            holds_loss = loss is not None and bool(getattr(model, "has_last", True))
+            loss_value = loss.detach().float().reshape(()) if holds_loss else None
+        else:
+            loss_value, holds_loss = torch.zeros((), device=ctx.device), True
+            for i, part in enumerate(tokens.split(micro)):
+                plan.gradient_sync(model, i == n_micro - 1)
+                loss = _loss_of(model, part) / n_micro
+                loss.backward()
+                loss_value += loss.detach().float()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if loss_value is None:
+            loss_value = torch.zeros((), device=ctx.device)
+        if dev != "cpu":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - began
+        # under pp the loss lives on the last stage: average over the whole world instead
+        loss_value = _global_mean(loss_value, None if pipelined else loss_group, holds_loss)
+        mem = _per_rank(peak_memory_bytes(), world, ctx.device)
+        row = {"step": step + 1, "loss": loss_value, "tokens_per_s": seq_tokens / elapsed,
+               "step_time_s": elapsed, "peak_mem_bytes": max(mem),
+               "peak_mem_bytes_per_rank": mem}
+        rows.append(row)
+        report.step(row)
+        if on_step is not None:
+            on_step(row)
+        done = step + 1
+        c = pipeline.checkpoint
+        if root is not None and ((c.every and done % c.every == 0) or done == total):
+            if not (root / ckpt.name(done)).exists():
+                path = ckpt.save(root, done, model, optimizer,
+                                 {**meta, "data_position": done * t.global_batch_size}, c.keep)
+                report.info(f"saved {path}")
+    if pipeline.checkpoint.export_hf:
+        state = ckpt.full_state_dict(model)
+        if rank == 0:
+            out = ckpt.export_hf(state, pipeline.model, Path(pipeline.checkpoint.export_hf))
+            report.info(f"exported {out}")
+        if dist.is_initialized():
+            dist.barrier()
+    report.close()
+    return {"rows": rows, "model": model, "optimizer": optimizer, "plan": plan, "ctx": ctx}
+
+
+def _global_mean(value: torch.Tensor, group, holds_loss: bool) -> float:
+    """The loss averaged over every rank that computed one.
+
+    Every dp rank holds the same number of tokens, so the mean of their means is the mean over
+    the global batch. Under pp only the last stage computes a loss: the others add nothing.
+    """
+    if not dist.is_initialized():
+        return value.item()
+    v = torch.stack([value.float() * holds_loss, torch.tensor(float(holds_loss), device=value.device)])
+    dist.all_reduce(v, group=group)
+    return (v[0] / v[1]).item()
+
+
+def _per_rank(value: int, world: int, device: torch.device) -> list[int]:
+    if not dist.is_initialized():
+        return [value]
+    t = torch.zeros(world, dtype=torch.int64, device=device)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return [int(x) for x in t.tolist()]
+
