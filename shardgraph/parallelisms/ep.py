@@ -1,23 +1,99 @@
-"""ep: expert parallelism on the MoE mesh ``(pp, ep_shard, ep)``."""
+"""ep: expert parallelism on the MoE mesh ``(pp, ep_shard, ep)``.
+
+For HF mixture-of-experts models whose experts are fused 3-D parameters named by
+``config.base_model_ep_plan`` (Qwen3-MoE, Mixtral, ...). Each experts module keeps ``E / ep``
+experts per rank as a ``Shard(0)`` DTensor over ``ep``; the model's own router picks the experts
+and the tokens travel to them with all-to-all (``_ep_dispatch``). The experts then become their
+own ``fully_shard`` unit over ``ep_shard`` (as in torchtitan) before the data-parallel strategy
+wraps the blocks around them; router, attention and shared experts stay dense and are left to
+that strategy.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..core.axes import Axis
+from ..core.context import MeshContext
+from ..core.errors import Violation
 from ..plugins import Kind, Plugin
-from ._pending import not_yet
+from ._ep_dispatch import shard_experts
+from ._ep_layers import layout_problem, moe_layers
+from ._ep_router import keep_router_outputs
+from .mixed_precision import fsdp_policy
 
 
 @attrs.frozen
 class EPOptions:
     size: int = 1
-    #: reshard expert parameters after forward when fsdp2 shards them over ep_shard
+    #: reshard expert parameters after forward (their fully_shard unit over ep_shard)
     reshard_after_forward: bool = False
     #: activation checkpointing keeps the router's outputs instead of recomputing them
     ignore_router_for_ac: bool = False
     #: fsdp2 also wraps the outer model (embeddings, head) as its own unit
     wrap_outer_model: bool = True
+
+
+def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list[Violation]:
+    layers = moe_layers(model)
+    if not layers:
+        return [Violation(
+            "model", ("plugins.ep",),
+            f"{type(model).__name__} has no mixture-of-experts layers (no experts module named "
+            "by config.base_model_ep_plan)",
+            hint="expert parallelism needs an MoE model (Qwen3-MoE, Mixtral, ...): remove ep or "
+            "give it size 1", plugin="ep",
+        )]
+    # One violation per kind of problem, naming the first layer that has it.
+    found: dict[tuple[str, str], Violation] = {}
+
+    def report(key: str, layer, message: str, hint: str) -> None:
+        where = layer.fqn if len(layers) == 1 else f"{layer.fqn} (and any other MoE layer like it)"
+        found.setdefault((key, message), Violation("model", (key,), f"{where}: {message}",
+                                                   hint=hint, plugin="ep"))
+
+    for layer in layers:
+        problem = layout_problem(layer.experts)
+        if problem is not None:
+            report("plugins.ep", layer, problem, "remove ep for this model")
+        elif layer.experts.num_experts % ctx.ep_size:
+            report("plugins.ep.size", layer,
+                   f"{layer.experts.num_experts} experts are not divisible by ep = {ctx.ep_size}",
+                   "choose ep among the divisors of the number of experts")
+        if options.ignore_router_for_ac and layer.router is None:
+            report("plugins.ep.ignore_router_for_ac", layer,
+                   "no router found (one sibling module whose weight is (num_experts, hidden))",
+                   "set ignore_router_for_ac = false")
+    return list(found.values())
+
+
+def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    policy = fsdp_policy(inputs.get("precision_policy"))
+    # The experts are a unit inside a block: like the block's, their output is not cast.
+    policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                  cast_forward_inputs=policy.cast_forward_inputs)
+    ep_mesh, ep_shard_mesh = ctx.mesh(Axis.EP), ctx.mesh(Axis.EP_SHARD)
+    for layer in moe_layers(model):
+        shard_experts(layer.experts, ep_mesh)
+        # The blocks' fully_shard must not take the expert DTensors (they live on the MoE mesh):
+        # the experts become their own unit first, and the blocks' units leave them out.
+        fully_shard(layer.experts, mesh=ep_shard_mesh, mp_policy=policy,
+                    reshard_after_forward=options.reshard_after_forward)
+        # An expert's gradient already sums the tokens of its whole ep group (the all-to-all's
+        # backward); the reduction over ep_shard completes the sum over the dp * cp ranks, and
+        # dividing by dp * cp gives the mean that the dense parameters get.
+        layer.experts.set_gradient_divide_factor(ctx.layout.ep * ctx.layout.ep_shard)
+        if ctx.layout.ep_shard > 1:
+            # Sum, then divide: gloo has no PREMUL_SUM. Not on a one-rank ep_shard: torch 2.13
+            # would divide twice there.
+            layer.experts.set_force_sum_reduction_for_comms(True)
+        if options.ignore_router_for_ac:
+            keep_router_outputs(layer.router, layer.ancestors)
+    return model
 
 
 PLUGIN = Plugin(
@@ -26,10 +102,14 @@ PLUGIN = Plugin(
     options=EPOptions,
     axis=Axis.EP,
     provides={"expert_parallel", "model_parallel"},
+    # The experts get their own fully_shard unit: the strategy must be fully_shard based.
+    requires={"fully_shard"},
+    # The experts' unit computes in the precision the blocks' units do.
+    consumes={"precision_policy"},
     # The MoE mesh (pp, ep_shard, ep) covers pp * dp * cp ranks: it has no room for tp.
     conflicts={"tensor_parallel"},
     before={"activation_checkpointing", "data_parallel"},
-    model_check=not_yet("ep", "tracked by the expert parallelism issue"),
-    apply=lambda model, options, ctx, inputs: model,
+    model_check=_model_check,
+    apply=_apply,
     doc="expert parallelism: experts sharded over ep, tokens exchanged with all-to-all",
 )

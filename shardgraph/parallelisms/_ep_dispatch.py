@@ -1,0 +1,98 @@
+"""Expert-parallel forward of an HF fused-experts module: dispatch, local experts, combine.
+
+Each rank of the ``ep`` group owns ``E / ep`` consecutive experts (a ``Shard(0)`` DTensor over
+the stacked ``(E, ...)`` weights). A token routed to expert ``e`` travels to the rank that owns
+``e`` with ``all_to_all_single`` (uneven splits), is computed there and travels back; the
+routing weights are applied on the token's own rank, so the router's gradient stays local.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from ._ep_layers import EXPERT_PARAMS
+
+
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """Turn the stacked expert weights into ``Shard(0)`` DTensors over ``mesh`` and swap in the
+    expert-parallel forward. Every rank keeps its own slice of its own copy: like ``fully_shard``,
+    this assumes all ranks built the model with the same weights."""
+    for name in EXPERT_PARAMS:
+        param = getattr(experts, name)
+        sharded = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+    experts._ep_mesh = mesh
+    experts.__class__ = _expert_parallel_class(type(experts))
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel_class(cls: type) -> type:
+    """A subclass of the model's experts class whose forward is expert-parallel (the way
+    ``fully_shard`` swaps in ``FSDP<cls>``): isinstance checks and parameter names still hold."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _forward})
+    return _CLASSES[cls]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Same signature and result as HF's experts forward: ``(T, D), (T, K), (T, K) -> (T, D)``."""
+    mesh: DeviceMesh = self._ep_mesh
+    ep = mesh.size()
+    num_tokens, top_k = top_k_index.shape
+    local_experts = self.num_experts // ep
+
+    # Sort the (token, k) assignments by expert: experts are laid out rank after rank, so the
+    # rows for each destination rank are contiguous.
+    expert_ids = top_k_index.reshape(-1)
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=self.num_experts)
+    # How many rows each peer sends me, per local expert: (ep, local_experts), peer-major.
+    counts_in = torch.empty_like(counts)
+    dist.all_to_all_single(counts_in, counts, group=mesh.get_group())
+    send_splits = counts.view(ep, local_experts).sum(1).tolist()
+    recv_splits = counts_in.view(ep, local_experts).sum(1).tolist()
+
+    sent = hidden_states[order // top_k]
+    received = all_to_all_single_autograd(sent, recv_splits, send_splits, mesh)
+    # Received rows come peer-major; the local experts want them expert-major.
+    local_ids = torch.arange(local_experts, device=counts.device).repeat(ep)
+    by_expert = torch.argsort(torch.repeat_interleave(local_ids, counts_in), stable=True)
+    rows_per_expert = counts_in.view(ep, local_experts).sum(0).tolist()
+    computed = _run_local_experts(self, received[by_expert], rows_per_expert)
+    computed = computed[_inverse(by_expert)]
+
+    returned = all_to_all_single_autograd(computed, send_splits, recv_splits, mesh)
+    returned = returned[_inverse(order)].view(num_tokens, top_k, -1)
+    weighted = returned * top_k_weights.unsqueeze(-1).to(returned.dtype)
+    return weighted.sum(dim=1).to(hidden_states.dtype)
+
+
+def _run_local_experts(self: nn.Module, rows: torch.Tensor, rows_per_expert: list[int]):
+    """HF's per-expert MLP (``down(gate(gate_up(x)))``) on rows grouped by local expert."""
+    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    outputs = [
+        F.linear(self._apply_gate(F.linear(chunk, gate_up[e])), down[e])
+        for e, chunk in enumerate(rows.split(rows_per_expert))
+    ]
+    return torch.cat(outputs)
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse
