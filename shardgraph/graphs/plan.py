@@ -149,6 +149,13 @@ class Plan:
         object.__setattr__(model, _APPLIED, self)
         return model
 
+    def train_step(self, model: nn.Module, batch: Any, loss_fn: Any) -> Any:
+        """Forward and backward of one batch, pipelined or not; the loss on every rank
+        (``graphs/train_step.py``)."""
+        from .train_step import train_step
+
+        return train_step(model, batch, loss_fn)
+
     def gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         """Turn gradient reduction on (last micro-batch) or off (the others) where a step
         supports deferring it; a no-op for steps that always reduce."""

@@ -7,7 +7,6 @@ import attrs
 from ..core.axes import Axis
 from ..core.errors import Violation, choices_hint, did_you_mean
 from ..plugins import Kind, Plugin
-from ._pending import not_yet
 
 
 @attrs.frozen
@@ -106,23 +105,83 @@ def _check(options: PPOptions, layout, settings) -> list[Violation]:
                 f"{options.schedule} places exactly 2 stages per rank in a V",
                 hint="set stages_per_rank = 2 or leave it out",
             ))
+    if sched is not None and options.stages is not None:
+        bad += _explicit_stage_violations(options, sched)
     lbs = settings.local_batch_size
     if sched is not None and lbs is not None and options.microbatch_size >= 1:
-        if lbs % options.microbatch_size:
-            bad.append(Violation(
-                "option", ("microbatch_size", "settings.local_batch_size"),
-                f"local_batch_size = {lbs} is not divisible by microbatch_size = "
-                f"{options.microbatch_size}",
-                hint="choose a microbatch_size that divides the local batch size",
-            ))
-        elif lbs // options.microbatch_size < options.size:
-            bad.append(Violation(
-                "option", ("microbatch_size", "settings.local_batch_size"),
-                f"{lbs // options.microbatch_size} microbatches cannot fill {options.size} "
-                "pipeline stages",
-                hint=f"make local_batch_size / microbatch_size >= pp = {options.size}",
-            ))
+        n_stages = (len(options.stages) if options.stages
+                    else options.size * (options.stages_per_rank or sched.stages_per_rank))
+        bad += microbatch_violations(options, sched, n_stages, lbs,
+                                     ("microbatch_size", "settings.local_batch_size"))
     return bad
+
+
+def _explicit_stage_violations(options: PPOptions, sched: Schedule) -> list[Violation]:
+    n, pp = len(options.stages), options.size
+    if n % pp:
+        return [Violation("option", ("stages", "size"),
+                          f"{n} stages cannot be placed evenly on pp = {pp} ranks",
+                          hint=f"give a multiple of {pp} stages")]
+    per_rank = options.stages_per_rank or (
+        2 if sched.v_shape else n // pp if sched.stages_per_rank > 1 else 1)
+    if n != pp * per_rank:
+        return [Violation("option", ("stages", "schedule"),
+                          f"{options.schedule} runs {per_rank} stage(s) per rank, so pp = {pp} "
+                          f"needs {pp * per_rank} stages, not {n}",
+                          hint="match the number of stages, or choose a multi-stage schedule")]
+    return []
+
+
+def microbatch_violations(options: PPOptions, sched: Schedule, n_stages: int, batch: int,
+                          keys: tuple[str, ...]) -> list[Violation]:
+    """What torch's schedule needs of the number of microbatches (``batch / microbatch_size``);
+    checked at compile time when ``local_batch_size`` is known, else at every step."""
+    mbs = options.microbatch_size
+    if batch % mbs:
+        return [Violation(
+            "option", keys,
+            f"local_batch_size = {batch} is not divisible by microbatch_size = {mbs}",
+            hint="choose a microbatch_size that divides the local batch size",
+        )]
+    n, pp = batch // mbs, options.size
+    if n < pp:
+        return [Violation(
+            "option", keys, f"{n} microbatches cannot fill {pp} pipeline stages",
+            hint=f"make local_batch_size / microbatch_size >= pp = {pp}",
+        )]
+    if sched.torch_class == "ScheduleDualPipeV" and n < n_stages:
+        return [Violation(
+            "option", keys,
+            f"{options.schedule} needs at least as many microbatches as stages: {n} < {n_stages}",
+            hint=f"make local_batch_size / microbatch_size >= {n_stages}",
+        )]
+    rounds = max(1, n // pp)
+    if sched.torch_class in _ROUNDS and n % rounds:
+        return [Violation(
+            "option", keys,
+            f"{options.schedule} runs microbatches in rounds of pp = {pp}: {n} microbatches "
+            f"is not a multiple of its {rounds} rounds",
+            hint=f"use a number of microbatches that is a multiple of {pp} (or at most {pp})",
+        )]
+    return []
+
+
+#: schedules that run microbatches in rounds of pp (torch refuses n % (n // pp) != 0)
+_ROUNDS = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"}
+
+
+def _model_check(model, options: PPOptions, ctx) -> list[Violation]:
+    from ._pp_split import model_violations
+
+    sched = schedule(options.schedule)
+    return model_violations(model, options, sched) if sched is not None else []
+
+
+def _apply(model, options: PPOptions, ctx, inputs):
+    from ._pp_apply import apply_pipeline
+
+    return apply_pipeline(model, options, schedule(options.schedule), ctx,
+                          microbatch_violations)
 
 
 PLUGIN = Plugin(
@@ -134,8 +193,8 @@ PLUGIN = Plugin(
     before={"tensor_parallel", "sequence_parallel", "context_parallel", "expert_parallel",
             "activation_checkpointing", "data_parallel"},
     check=_check,
-    model_check=not_yet("pp", "tracked by the pipeline parallelism issue"),
-    apply=lambda model, options, ctx, inputs: model,
+    model_check=_model_check,
+    apply=_apply,
     keeps_fqns=False,
     doc="pipeline parallelism: stages from the model's pp plan, torch pipelining schedules",
 )

@@ -1,0 +1,269 @@
+"""A pipelined model: this rank's stages, their torch ``PipelineStage``s and the schedule.
+
+``PipelinedModel`` holds the pruned model's top-level children under their original names, so
+its parameter FQNs are the original ones (``model.layers.3.mlp.up_proj.weight``) and plugins
+applied after pp (tp, activation checkpointing, fsdp2) find the transformer blocks as before.
+Its stages are ``model_parts``: modules the schedule calls one by one; a data-parallel wrap
+treats each of them as a root. It is not called like a module: ``step`` (``Plan.train_step``)
+runs forward and backward over all microbatches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from ..core.errors import PlanError
+
+
+class PipelineStageError(RuntimeError):
+    """A pipeline stage failed; raised on the failing rank and on its peers."""
+
+    def __init__(self, message: str, stage: int | None = None, rank: int | None = None):
+        super().__init__(message)
+        self.stage = stage
+        self.rank = rank
+
+
+def tag_stage(exc: BaseException, stage: int) -> None:
+    """Remember the innermost stage an exception came from (for the message on every rank)."""
+    if getattr(exc, "pp_stage", None) is None:
+        try:
+            exc.pp_stage = stage
+        except AttributeError:  # some builtin exceptions take no attributes
+            pass
+
+
+#: Class attributes of an HF model that plugins applied after pp read (tp plans, FSDP blocks).
+_CLASS_ATTRS = ("_tp_plan", "_pp_plan", "_ep_plan", "_no_split_modules", "base_model_prefix")
+
+
+def pipelined(model: nn.Module, *args: Any, **kwargs: Any) -> PipelinedModel:
+    """A ``PipelinedModel`` whose class carries ``model``'s class-level plans, so that
+    ``type(m)._tp_plan`` and friends read the same as on the original model."""
+    source = type(model)
+    attrs = {a: getattr(source, a) for a in _CLASS_ATTRS if hasattr(source, a)}
+    cls = type(f"Pipelined{source.__name__}", (PipelinedModel,), attrs)
+    return cls(model, *args, **kwargs)
+
+
+class PipelinedModel(nn.Module):
+    def __init__(self, model: nn.Module, stages: list[nn.Module], stage_ids: list[int],
+                 n_stages: int, options: Any, schedule: Any, ctx: Any,
+                 microbatch_rules: Callable[[int], list], embeddings: tuple[str, str | None]):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        if hasattr(model, "config"):
+            object.__setattr__(self, "config", model.config)
+        self._embeddings = embeddings  # FQNs of the input embedding and the LM head
+        # Not registered as children: their modules are this module's children already.
+        object.__setattr__(self, "model_parts", stages)
+        self.stage_ids = stage_ids
+        self.n_stages = n_stages
+        self.options = options
+        self.schedule_spec = schedule
+        self._ctx = ctx
+        self._rules = microbatch_rules
+        self._schedules: dict[int, Any] = {}
+        self._loss_fn: Callable | None = None
+        self._steps = 0
+
+    def forward(self, *args, **kwargs):
+        raise TypeError(
+            "a pipelined model runs its stages on several ranks and is not called like a module: "
+            "use plan.train_step(model, batch, loss_fn)"
+        )
+
+    # -- what an HF model answers, for this rank's part (None where another rank holds it) --
+    @property
+    def base_model(self) -> nn.Module:
+        prefix = getattr(self, "base_model_prefix", "")
+        return getattr(self, prefix, self) if prefix else self
+
+    def _held(self, fqn: str | None) -> nn.Module | None:
+        if not fqn:
+            return None
+        try:
+            return self.get_submodule(fqn)
+        except AttributeError:
+            return None
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        return self._held(self._embeddings[0])
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self._held(self._embeddings[1])
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self._ctx.mesh("pp").get_group()
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def _schedule(self, n_microbatches: int):
+        if n_microbatches in self._schedules:
+            return self._schedules[n_microbatches]
+        group = self.pp_group
+        stages = [
+            PipelineStage(part, stage_index=s, num_stages=self.n_stages,
+                          device=self._ctx.device, group=group)
+            for part, s in zip(self.model_parts, self.stage_ids)
+        ]
+        cls = getattr(torch_schedules, self.schedule_spec.torch_class)
+        common = dict(n_microbatches=n_microbatches, loss_fn=self._call_loss,
+                      scale_grads=self.options.scale_grads_in_schedule)
+        if self.schedule_spec.stages_per_rank == 1:
+            schedule = cls(stages[0], **common)
+        else:
+            schedule = cls(stages, **common)
+        self._schedules[n_microbatches] = schedule
+        return schedule
+
+    def _call_loss(self, output, target):
+        try:
+            return self._loss_fn(output, target)
+        except Exception as exc:
+            tag_stage(exc, self.n_stages - 1)
+            raise
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Forward and backward of all microbatches of ``inputs``; returns the mean microbatch
+        loss of this local batch, the same on every rank of the pipeline."""
+        mbs = self.options.microbatch_size
+        bad = self._rules(inputs.shape[0])
+        if bad:
+            raise PlanError(bad)
+        n = inputs.shape[0] // mbs
+        if self.options.scale_grads_in_schedule:
+            self._loss_fn = loss_fn
+        else:
+            # The schedule leaves gradients summed over microbatches: scale the loss instead
+            # (torchtitan's choice), so gradients are those of the mean loss.
+            self._loss_fn = lambda out, tgt: loss_fn(out, tgt) / n
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        self._steps += 1
+        with _FailureWatch(self, self._steps) as watch:
+            try:
+                self._schedule(n).step(*args, target=target, losses=losses)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
+                watch.failed(exc)
+        loss = torch.zeros((), dtype=torch.float32)
+        if losses is not None:
+            total = torch.stack([v.detach().float() for v in losses]).sum()
+            loss = total if not self.options.scale_grads_in_schedule else total / n
+        src = self._last_stage_rank()
+        dist.broadcast(loss, group=self.pp_group, group_src=src)
+        return loss
+
+    def _last_stage_rank(self) -> int:
+        from ._pp_split import placement
+
+        return placement(self.n_stages, self._ctx.pp_size, self.schedule_spec.v_shape)[-1]
+
+
+class _FailureWatch:
+    """Make a stage failure visible to every rank of the pipeline.
+
+    A failing rank posts its stage and reason to the default store; its peers, blocked in a
+    send/recv that only ends when the failing process exits (gloo does not abort a pending
+    receive), pick the reason up in a polling thread and raise it once their receive errors.
+    The failing rank waits (a few seconds at most) until its peers have seen the reason, so the
+    message survives even when the store's host is the rank that failed.
+    """
+
+    POLL_S = 0.2
+    ACK_WAIT_S = 10.0
+
+    def __init__(self, model: PipelinedModel, step: int):
+        self.model = model
+        self.group = model.pp_group
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        # The pipeline group's ranks share one prefix; pp groups of other dp/tp coordinates
+        # (equal group ranks) must not see each other's keys.
+        members = "-".join(map(str, dist.get_process_group_ranks(self.group)))
+        self.prefix = f"shardgraph/pp/{members}/{step}/"
+        self.store = dist.distributed_c10d._get_default_store()  # no public accessor
+        self.remote: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join(timeout=1.0)
+        return False
+
+    def _poll(self) -> None:
+        key = self.prefix + "error"
+        while not self._done.wait(self.POLL_S):
+            try:
+                if self.store.check([key]):
+                    self.remote = self.store.get(key).decode()
+                    self.store.add(self.prefix + "seen", 1)
+                    return
+            except Exception:  # noqa: BLE001 - the store's host is gone: nothing more to learn
+                return
+
+    def failed(self, exc: Exception) -> None:
+        self._done.set()
+        self._thread.join(timeout=1.0)
+        if self.remote is None:
+            try:  # the peer's post may have landed between two polls
+                if self.store.check([self.prefix + "error"]):
+                    self.remote = self.store.get(self.prefix + "error").decode()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.remote is not None and not self._is_own(self.remote):
+            stage, rank, reason = self.remote.split("\x00", 2)
+            raise PipelineStageError(
+                f"pipeline stage {stage} (pp rank {rank}) failed: {reason}; this rank "
+                f"({self.rank}) stopped waiting for it", stage=int(stage), rank=int(rank),
+            ) from exc
+        stages = self.model.stage_ids
+        reason = f"{type(exc).__name__}: {exc}"
+        stage = _failing_stage(exc, stages)
+        try:
+            self.store.set(self.prefix + "error", f"{stage}\x00{self.rank}\x00{reason}")
+            deadline = time.monotonic() + self.ACK_WAIT_S
+            while time.monotonic() < deadline and self.store.add(self.prefix + "seen", 0) < self.size - 1:
+                time.sleep(self.POLL_S)
+        except Exception:  # noqa: BLE001 - report the failure itself, not the store's
+            pass
+        raise PipelineStageError(
+            f"pipeline stage {stage} (pp rank {self.rank}) failed: {reason}",
+            stage=stage, rank=self.rank,
+        ) from exc
+
+    def _is_own(self, text: str) -> bool:
+        return text.split("\x00", 2)[1] == str(self.rank)
+
+
+def _failing_stage(exc: BaseException, stage_ids: list[int]) -> int:
+    """The stage whose forward or loss raised (tagged where it ran), else this rank's first."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "pp_stage", None) is not None:
+            return seen.pp_stage
+        seen = seen.__cause__ or seen.__context__
+    return stage_ids[0]

@@ -1,0 +1,351 @@
+"""Splitting a model into pipeline stages: which modules each stage holds, and the stage modules.
+
+A model's *pipeline plan* is HF's ``config.base_model_pp_plan`` (modules of the base model, in
+order: the input embedding, the decoder-layer list, the final norm) followed by the class's
+``_pp_plan`` (the LM head). Entries before the layer list go on the first stage, entries after
+it on the last; the layers are split between the stages. Modules the plan does not name (the
+rotary embedding: buffers, no parameters) are kept on every stage.
+
+A stage module takes one tensor and returns one tensor: the first stage calls the base model
+with the plan's input name (``input_ids``), later ones with the first entry's output name
+(``inputs_embeds``); the last stage then applies the head entries (``lm_head``). Layers a rank
+does not hold are removed from the model, not skipped; the kept ones keep their original FQNs
+(``model.layers.5`` stays ``model.layers.5``), so checkpoints load across pipeline sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import attrs
+import torch.nn as nn
+
+from ..core.errors import Violation
+
+
+@attrs.frozen
+class PipelinePlan:
+    """What a model is made of, pipeline-wise. FQNs are relative to the model's root."""
+
+    base: str  # FQN of the base model ("" when the model is the base model)
+    first: tuple[str, ...]  # modules of the first stage, in order (the input embedding)
+    layers: str  # FQN of the decoder-layer list
+    n_layers: int
+    last: tuple[str, ...]  # modules of the base model applied on the last stage (final norm)
+    head: tuple[str, ...]  # modules applied after the base model on the last stage (LM head)
+    input_name: str = "input_ids"  # the first stage's keyword to the base model
+    hidden_name: str = "inputs_embeds"  # the later stages' keyword to the base model
+
+
+@attrs.frozen
+class StageSpec:
+    index: int
+    first: bool
+    last: bool
+    layers: tuple[int, ...]  # indices into the layer list
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _base(model: nn.Module) -> tuple[str, nn.Module]:
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    inner = getattr(model, prefix, None) if prefix else None
+    if isinstance(inner, nn.Module) and inner is not model:
+        return prefix, inner
+    return "", model
+
+
+def read_plan(model: nn.Module) -> PipelinePlan | None:
+    """The model's pipeline plan from its HF declarations, or None when it has none."""
+    prefix, base = _base(model)
+    config = getattr(model, "config", None)
+    base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    head_plan = dict(getattr(type(model), "_pp_plan", None) or {}) if base is not model else {}
+    names = list(base_plan)
+    lists = [n for n in names if isinstance(base.get_submodule(n) if _has(base, n) else None,
+                                            nn.ModuleList)]
+    if len(lists) != 1 or not all(_has(base, n) for n in names) or not all(
+            _has(model, n) for n in head_plan):
+        return None
+    at = names.index(lists[0])
+    first_inputs = base_plan[names[0]][0] if at > 0 else ["inputs_embeds"]
+    first_outputs = base_plan[names[0]][1] if at > 0 else ["inputs_embeds"]
+    return PipelinePlan(
+        base=prefix,
+        first=tuple(_join(prefix, n) for n in names[:at]),
+        layers=_join(prefix, lists[0]),
+        n_layers=len(base.get_submodule(lists[0])),
+        last=tuple(_join(prefix, n) for n in names[at + 1:]),
+        head=tuple(head_plan),
+        input_name=first_inputs[0],
+        hidden_name=first_outputs[0],
+    )
+
+
+def _has(module: nn.Module, fqn: str) -> bool:
+    try:
+        module.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
+
+
+def user_plan(model: nn.Module, stages: list[list[str]]) -> PipelinePlan | None:
+    """A plan inferred from an explicit split: the layer list is the base model's largest
+    ``nn.ModuleList``; what stage 0 names besides layers is the input side, what the last stage
+    names inside the base model its tail, and outside it the head."""
+    prefix, base = _base(model)
+    lists = [(n, m) for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return None
+    name, layers = max(lists, key=lambda item: len(item[1]))
+    fqn = _join(prefix, name)
+    inside = (lambda n: n.startswith(prefix + ".")) if prefix else (lambda n: True)
+    first = tuple(n for n in stages[0] if not n.startswith(fqn + "."))
+    tail = [n for n in stages[-1] if not n.startswith(fqn + ".")]
+    return PipelinePlan(
+        base=prefix, first=first, layers=fqn, n_layers=len(layers),
+        last=tuple(n for n in tail if inside(n)), head=tuple(n for n in tail if not inside(n)),
+    )
+
+
+def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> list[range]:
+    """Contiguous layer ranges, one per stage.
+
+    Even split; a remainder goes to the middle stages first, because the first stage also holds
+    the embedding and the last the norm and the LM head (the big vocabulary matmul).
+    """
+    if layers_per_stage is not None:
+        return [range(s * layers_per_stage, min(n_layers, (s + 1) * layers_per_stage))
+                for s in range(n_stages)]
+    counts = [n_layers // n_stages] * n_stages
+    order = list(range(1, n_stages - 1)) + [0, n_stages - 1][: min(2, n_stages)]
+    for i in range(n_layers % n_stages):
+        counts[order[i % len(order)]] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def stage_specs(plan: PipelinePlan, n_stages: int, layers_per_stage: int | None,
+                stages: list[list[str]] | None) -> list[StageSpec]:
+    if stages is not None:
+        prefix = plan.layers + "."
+        return [StageSpec(
+            i, i == 0, i == len(stages) - 1,
+            tuple(int(n[len(prefix):]) for n in names if n.startswith(prefix)),
+        ) for i, names in enumerate(stages)]
+    ranges = split_layers(plan.n_layers, n_stages, layers_per_stage)
+    return [StageSpec(i, i == 0, i == n_stages - 1, tuple(r)) for i, r in enumerate(ranges)]
+
+
+def placement(n_stages: int, pp: int, v_shape: bool) -> list[int]:
+    """The pp rank of each stage: looped (rank r: r, r + pp, ...) or a V (r and 2 pp - 1 - r)."""
+    if v_shape:
+        return [s if s < pp else 2 * pp - 1 - s for s in range(n_stages)]
+    return [s % pp for s in range(n_stages)]
+
+
+def n_stages_of(options, sched, n_layers: int | None) -> int:
+    if options.stages is not None:
+        return len(options.stages)
+    if options.stages_per_rank is None and options.layers_per_stage is not None and n_layers:
+        return math.ceil(n_layers / options.layers_per_stage)
+    return options.size * (options.stages_per_rank or sched.stages_per_rank)
+
+
+def model_violations(model: nn.Module, options, sched) -> list[Violation]:
+    """Everything about the model that stops the split; checked before the model changes."""
+    plan = read_plan(model)
+    where = ("plugins.pp",)
+    if plan is None and options.stages is not None:
+        plan = user_plan(model, options.stages)
+    if plan is None:
+        return [Violation(
+            "model", where,
+            f"{type(model).__name__} has no pipeline plan (config.base_model_pp_plan / "
+            "_pp_plan) and no split was given",
+            hint="give plugins.pp.stages: the module FQNs of each stage, e.g. "
+            "[['model.embed_tokens', 'model.layers.0'], ['model.layers.1', 'model.norm', "
+            "'lm_head']]", plugin="pp",
+        )]
+    bad = []
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) or _tied(model, plan):
+        bad.append(Violation(
+            "model", where,
+            "the input and output embeddings are tied (one weight on the first and the last "
+            "stage); a pipeline cannot hold one parameter on two stages",
+            hint="build the model with tie_word_embeddings=False, or drop pp", plugin="pp",
+        ))
+    n = n_stages_of(options, sched, plan.n_layers)
+    if options.stages is None and n > plan.n_layers:
+        bad.append(Violation(
+            "model", ("plugins.pp.size", "plugins.pp.stages_per_rank"),
+            f"{n} pipeline stages but the model has only {plan.n_layers} layers",
+            hint=f"use at most {plan.n_layers} stages (pp * stages_per_rank)", plugin="pp",
+        ))
+    if options.layers_per_stage is not None and options.stages is None:
+        need = math.ceil(plan.n_layers / options.layers_per_stage)
+        if need != n or n % options.size:
+            bad.append(Violation(
+                "model", ("plugins.pp.layers_per_stage",),
+                f"layers_per_stage = {options.layers_per_stage} makes {need} stages of "
+                f"{plan.n_layers} layers, but pp = {options.size} needs a multiple of "
+                f"{options.size}" + ("" if need == n else f" equal to {n}"),
+                hint="choose layers_per_stage so that ceil(layers / layers_per_stage) = "
+                "pp * stages_per_rank", plugin="pp",
+            ))
+    if options.stages is not None:
+        bad += _explicit_violations(model, plan, options.stages)
+    return bad
+
+
+def _tied(model: nn.Module, plan: PipelinePlan) -> bool:
+    first = {id(p) for n in plan.first for p in model.get_submodule(n).parameters()}
+    return any(id(p) in first for n in plan.last + plan.head
+               for p in model.get_submodule(n).parameters())
+
+
+def _explicit_violations(model, plan: PipelinePlan, stages) -> list[Violation]:
+    bad, seen = [], {}
+    known = {n for n, _ in model.named_modules()}
+    for s, names in enumerate(stages):
+        for name in names:
+            if name not in known:
+                bad.append(Violation(
+                    "model", (f"plugins.pp.stages[{s}]",),
+                    f"stage {s} names {name!r}, which is not a module of the model",
+                    hint="use module FQNs from model.named_modules()", plugin="pp"))
+            elif name in seen:
+                bad.append(Violation(
+                    "model", (f"plugins.pp.stages[{s}]",),
+                    f"{name!r} is on stage {seen[name]} and stage {s}",
+                    hint="give each module to one stage", plugin="pp"))
+            seen[name] = s
+    layers = [int(n[len(plan.layers) + 1:]) for names in stages for n in names
+              if n.startswith(plan.layers + ".") and n[len(plan.layers) + 1:].isdigit()]
+    if sorted(layers) != list(range(plan.n_layers)) or layers != sorted(layers):
+        bad.append(Violation(
+            "model", ("plugins.pp.stages",),
+            f"the stages must hold the layers {plan.layers}.0 .. {plan.n_layers - 1} once each, "
+            "in order",
+            hint="list every layer exactly once, stage by stage", plugin="pp"))
+    return bad
+
+
+class SparseLayers(nn.ModuleDict):
+    """The decoder layers a rank keeps, under their original indices; iterates and slices like
+    the ``nn.ModuleList`` it replaces (HF forwards do ``self.layers[: n]``)."""
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.values())
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return list(self.values())[key]
+        if isinstance(key, int):
+            return list(self.values())[key]
+        return super().__getitem__(key)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: one tensor in, one tensor out. Its children are views of the
+    pruned model (same module objects, same FQNs)."""
+
+    def __init__(self, spec: StageSpec, plan: PipelinePlan, base_view: nn.Module,
+                 heads: list[tuple[str, nn.Module]]):
+        super().__init__()
+        self.spec = spec
+        self._keyword = plan.input_name if spec.first else plan.hidden_name
+        self._heads = [name for name, _ in heads]
+        if plan.base:
+            setattr(self, plan.base, base_view)
+            self._base_name = plan.base
+        else:
+            self._base_name = None
+            for name, child in base_view.named_children():
+                self.add_module(name, child)
+            # not registered: its children are already this module's
+            object.__setattr__(self, "_base_call", base_view)
+        for name, module in heads:
+            self.add_module(name, module)
+
+    def forward(self, x):
+        try:
+            base = getattr(self, self._base_name) if self._base_name else self._base_call
+            out = base(**{self._keyword: x}, use_cache=False)
+            h = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", out)
+            for name in self._heads:
+                h = getattr(self, name)(h)
+            return h
+        except Exception as exc:
+            from ._pp_model import tag_stage
+
+            tag_stage(exc, self.spec.index)
+            raise
+
+
+def _view(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
+    """A shallow copy of ``module`` (same forward, same parameters) with other children."""
+    view = type(module).__new__(type(module))
+    view.__dict__ = dict(module.__dict__)
+    view._modules = dict(children)
+    return view
+
+
+def build_stages(model: nn.Module, plan: PipelinePlan, specs: list[StageSpec],
+                 mine: list[int]) -> list[StageModule]:
+    """Prune ``model`` to the stages in ``mine`` and return their stage modules.
+
+    Layers of other ranks are dropped from the layer list, and the first-/last-stage modules
+    from a rank that holds no first/last stage, so their memory is freed.
+    """
+    prefix, base = _base(model)
+    layer_list = model.get_submodule(plan.layers)
+    held = sorted({i for s in mine for i in specs[s].layers})
+    kept = SparseLayers({str(i): layer_list[i] for i in held})
+    list_name = plan.layers.rsplit(".", 1)[-1]
+    has_first = any(specs[s].first for s in mine)
+    has_last = any(specs[s].last for s in mine)
+    stages = []
+    for s in mine:
+        spec = specs[s]
+        children = dict(base._modules)
+        children[list_name] = SparseLayers({str(i): layer_list[i] for i in spec.layers})
+        for name in plan.first:
+            if not spec.first:
+                children[_local(name, prefix)] = None
+        for name in plan.last:
+            if not spec.last:
+                # the base forward still calls it: an identity, not None
+                children[_local(name, prefix)] = nn.Identity()
+        heads = [(n, model.get_submodule(n)) for n in plan.head] if spec.last else []
+        stages.append(StageModule(spec, plan, _view(base, children), heads))
+    # Prune the model itself: what remains is exactly this rank's stages.
+    base._modules[list_name] = kept
+    for name in plan.first:
+        if not has_first:
+            _drop(base, _local(name, prefix))
+    for name in plan.last:
+        if not has_last:
+            _drop(base, _local(name, prefix))
+    for name in plan.head:
+        if not has_last:
+            _drop(model, name)
+    return stages
+
+
+def _local(fqn: str, prefix: str) -> str:
+    return fqn[len(prefix) + 1:] if prefix else fqn
+
+
+def _drop(root: nn.Module, fqn: str) -> None:
+    parent, _, name = fqn.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    owner._modules[name] = None
