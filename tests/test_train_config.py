@@ -1,0 +1,119 @@
+"""The training sections are read as strictly as the plan: every bad key named, nothing run."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardgraph import PlanError
+from shardgraph.cli import main
+from shardgraph.train.config import loads_pipeline
+from shardgraph.train.defaults import DEFAULT_PIPELINE
+
+GOOD = """
+[model]
+architecture = "Qwen2ForCausalLM"
+[model.config]
+hidden_size = 64
+num_hidden_layers = 2
+[data]
+seq_len = 16
+[train]
+steps = 3
+global_batch_size = 8
+optimizer = "sgd"
+lr = 0.01
+seed = 0
+[plugins.fsdp2]
+"""
+
+
+def test_the_issue_example_is_accepted():
+    p = loads_pipeline(GOOD)
+    assert p.model.architecture == "Qwen2ForCausalLM" and p.model.config["hidden_size"] == 64
+    assert (p.data.seq_len, p.train.steps, p.train.global_batch_size) == (16, 3, 8)
+    assert p.train.lr == 0.01 and p.graph.entries[0].name == "fsdp2"
+
+
+@pytest.mark.parametrize("text, key, rule", [
+    ("[train]\nstepz = 3", "train.stepz", "unknown-key"),
+    ("[train]\nlr = \"fast\"", "train.lr", "type"),
+    ("[train]\nsteps = true", "train.steps", "type"),
+    ("[train]\nsteps = 0", "train.steps", "value"),
+    ("[train]\noptimizer = \"adamx\"", "train.optimizer", "value"),
+    ("[data]\nseq_len = 1.5", "data.seq_len", "type"),
+    ("[data]\npath = \"/no/such/file.txt\"", "data.path", "value"),
+    ("[model]\nconfig = 3", "model.config", "type"),
+    ("[model]\npath = \"/no/such/dir\"", "model.path", "value"),
+    ("[checkpoint]\nevery = 5", "checkpoint.every", "value"),
+    ("[checkpoint]\nresume = \"/no/such/ckpt\"", "checkpoint.resume", "value"),
+    ("model = 3", "model", "type"),
+])
+def test_bad_training_keys_are_named(text, key, rule):
+    with pytest.raises(PlanError) as err:
+        loads_pipeline(text)
+    assert key in err.value.keys and rule in err.value.rules
+
+
+def test_all_problems_at_once_with_plan_problems():
+    with pytest.raises(PlanError) as err:
+        loads_pipeline("[train]\nstepz = 1\n[data]\nseq_len = \"x\"\n[plugins.fsdp3]\n"
+                       "[bogus]\n")
+    assert {"train.stepz", "data.seq_len", "bogus"} <= set(err.value.keys)
+
+
+def test_unknown_architecture_is_a_plan_error():
+    from shardgraph.train.model import build_model
+
+    p = loads_pipeline("[model]\narchitecture = \"LlamaForCausalLN\"")
+    with pytest.raises(PlanError, match="LlamaForCausalLM") as err:
+        build_model(p.model, seed=0)
+    assert err.value.key == "model.architecture"
+
+
+def test_same_sections_give_the_same_data_and_weights_whatever_the_plan():
+    import torch
+
+    from shardgraph.train.data import TokenStream
+    from shardgraph.train.model import build_model
+
+    a = loads_pipeline(GOOD)
+    b = loads_pipeline(GOOD.replace("[plugins.fsdp2]", "[plugins.ddp]"))
+    wa, wb = build_model(a.model, 0).state_dict(), build_model(b.model, 0).state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    s = TokenStream(a.data, vocab_size=128, seed=0)
+    # position-addressed: two half batches are the full batch
+    assert torch.equal(s.batch(8, 8), torch.cat([s.batch(8, 4), s.batch(12, 4)]))
+    assert not torch.equal(s.batch(0, 8), s.batch(8, 8))
+
+
+def test_token_file(tmp_path):
+    from shardgraph.train.data import TokenStream
+
+    f = tmp_path / "t.txt"
+    f.write_text("hello world, " * 20)
+    p = loads_pipeline(f"[data]\nseq_len = 8\npath = \"{f}\"")
+    s = TokenStream(p.data, vocab_size=256, seed=0)
+    assert bytes(s.batch(0, 1)[0].tolist()) == b"hello wo"
+    with pytest.raises(PlanError) as err:
+        TokenStream(p.data, vocab_size=64, seed=0)
+    assert "data.path" in err.value.keys
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_bad_input_exits_before_launching(tmp_path, capsys):
+    two = _write(tmp_path, DEFAULT_PIPELINE + "[mesh]\nworld_size = 2\n")
+    assert main(["train", two, "--nproc", "4"]) == 2
+    assert "mesh.world_size" in capsys.readouterr().err
+    odd = _write(tmp_path, DEFAULT_PIPELINE)
+    assert main(["train", odd, "--nproc", "3"]) == 2  # 8 sequences over 3 ranks
+    assert "train.global_batch_size" in capsys.readouterr().err
+    missing = _write(tmp_path, DEFAULT_PIPELINE.replace("[data]", "[data]\npath = \"nope.bin\""))
+    assert main(["train", missing]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "absent.toml")]) == 2
+    assert main(["train", odd, "--steps", "0"]) == 2
