@@ -38,16 +38,19 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def reference(model, tokens, microbatch_size):
-    """One SGD step of the unsplit model on the same microbatches."""
+def reference(model, tokens, microbatch_size, steps=1):
+    """SGD steps of the unsplit model on the same microbatches; the last step's loss."""
     ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
     chunks = tokens.split(microbatch_size)
-    total = 0.0
-    for mb in chunks:
-        loss = lm_loss(ref(input_ids=mb).logits, mb) / len(chunks)
-        loss.backward()
-        total += loss.item()
-    torch.optim.SGD(ref.parameters(), lr=LR).step()
+    for _ in range(steps):
+        total = 0.0
+        for mb in chunks:
+            loss = lm_loss(ref(input_ids=mb).logits, mb) / len(chunks)
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
     return total, {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
@@ -75,6 +78,7 @@ SCENARIOS = {
         ["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"]]),
         4, 4, 1),
     "ac": (lambda: _pp(size=2).add("activation_checkpointing"), 4, 4, 1),
+    "two_steps": (lambda: _pp(size=2, schedule="interleaved_1f1b"), 4, 4, 1),
     # world 4
     "pp4_interleaved": (lambda: _pp(size=4, schedule="interleaved_1f1b"), 8, 4, 1),
     "pp2_fsdp2": (lambda: _pp(size=2).add("fsdp2"), 4, 8, 1),
@@ -91,7 +95,8 @@ def _scenario(name: str, world_size: int) -> dict:
     ctx = plan.build_mesh("cpu")
     model = tiny_llama(layers=layers)
     tokens = batch(global_batch=global_batch)
-    ref_loss, ref_params = reference(model, tokens, mbs)
+    steps = 2 if name == "two_steps" else 1
+    ref_loss, ref_params = reference(model, tokens, mbs, steps)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
         model = plan.apply(model, ctx)
@@ -104,8 +109,11 @@ def _scenario(name: str, world_size: int) -> dict:
     sent_dtypes = []
     for part in model.model_parts:
         part.register_forward_hook(lambda mod, args, out: sent_dtypes.append(str(out.dtype)))
-    loss = plan.train_step(model, local, lm_loss)
-    torch.optim.SGD(model.parameters(), lr=LR).step()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(steps):
+        loss = plan.train_step(model, local, lm_loss)
+        opt.step()
+        opt.zero_grad()
     total = loss.clone()
     dist.all_reduce(total, group=dp.get_group())
     diff = 0.0
@@ -122,6 +130,10 @@ def _scenario(name: str, world_size: int) -> dict:
         "checkpointed": sorted(n for n, m in model.named_modules()
                                if "checkpoint" in (_get_registry(m) or {})),
         "fsdp_roots": [type(p).__name__.startswith("FSDP") for p in model.model_parts],
+        # fully_shard keeps no post-forward mesh when it does not reshard after forward
+        "resharded": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
+                             is not None for m in model.modules() if hasattr(m, "unshard")
+                             and m._get_fsdp_state()._fsdp_param_group is not None}),
         "dtensor_meshes": sorted({str(p.device_mesh.mesh_dim_names) for p in model.parameters()
                                   if isinstance(p, DTensor)}),
     }
@@ -132,7 +144,8 @@ def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
 
 
 WORLD2 = ["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule",
-          "DualPipeV", "scaled_in_schedule", "microbatch_2", "layers_per_stage", "explicit", "ac"]
+          "DualPipeV", "scaled_in_schedule", "microbatch_2", "layers_per_stage", "explicit", "ac",
+          "two_steps"]
 WORLD4 = ["pp4_interleaved", "pp2_fsdp2", "pp2_fsdp2_mp", "pp2_tp2"]
 
 
@@ -181,7 +194,7 @@ def test_unused_modules_are_removed_and_fqns_kept(world2):
 
 
 @pytest.mark.parametrize("name", ["scaled_in_schedule", "microbatch_2", "layers_per_stage",
-                                  "explicit"])
+                                  "explicit", "two_steps"])
 def test_split_and_schedule_options(world2, name):
     _matches(world2, name)
 
@@ -208,6 +221,7 @@ def test_pp2_x_fsdp2_dp2(world4):
     _matches(world4, "pp2_fsdp2")
     assert all(all(r["pp2_fsdp2"]["fsdp_roots"]) for r in world4)
     assert all(r["pp2_fsdp2"]["dtensor_meshes"] == ["('dp_shard_cp',)"] for r in world4)
+    assert all(r["pp2_fsdp2"]["resharded"] == [False] for r in world4)  # off under pp
 
 
 def test_pp2_x_fsdp2_with_mixed_precision_sends_the_output_dtype(world4):
@@ -267,7 +281,8 @@ def test_microbatch_and_stage_count_rules(opts, lbs, match):
 
 def _model_check(model, **opts):
     plan = _plan(**opts)
-    plan.check_model(model, MeshContext(plan.layout, "cpu"))
+    # A MeshContext without a DeviceMesh: the model checks run before any step needs one.
+    plan.apply(model, MeshContext(plan.layout, "cpu"))
 
 
 def _snapshot(model):
