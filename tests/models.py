@@ -22,6 +22,18 @@ def tiny_llama(layers: int = 2, seed: int = 0, **overrides) -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(**config))
 
 
+def tiny_qwen3(layers: int = 2, seed: int = 0, **overrides) -> nn.Module:
+    """A family with per-head q/k norms (``replicated_with_grad_allreduce`` in its TP plan)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, attn_implementation="sdpa", use_cache=False)
+    config.update(overrides)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**config))
+
+
 def batch(global_batch: int = 4, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (global_batch, seq), generator=g)

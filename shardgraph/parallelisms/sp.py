@@ -1,9 +1,153 @@
-"""sp: sequence parallelism inside the TP group (norms and dropout sharded along the sequence)."""
+"""sp: sequence parallelism inside the TP group.
+
+Between transformer blocks the residual stream is sharded along the sequence (dim 1) over
+``tp``: the norms run ``SequenceParallel`` (replicated weights, gradients summed by DTensor), each
+attention and MLP gathers its input (all-gather) and its last rowwise projection reduce-scatters
+its output, the embedding reduce-scatters (or slices) its output and the LM head gathers its
+input. Activations outside attention and MLP take ``1/tp`` of the memory.
+
+The step runs right after ``tp``: it switches the residual layout tp's rowwise projections,
+embedding and LM head read at every call (``_tp_styles.Residual``) and adds the styles around
+them. Two things the model does from the
+*local* sequence length are fixed here: transformers builds rotary positions from the length of
+the (now sharded) embeddings, so the decoder is given ``position_ids = arange(S)`` when the
+caller gives none; and the causal mask — so only attentions that take no materialised mask
+(SDPA's ``is_causal``, flash) can run; eager attention is refused.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
+
+from ..core.axes import Axis
+from ..core.blocks import blocks_violation, find_blocks
+from ..core.context import MeshContext
+from ..core.errors import Violation
 from ..plugins import Kind, NoOptions, Plugin
-from ._pending import not_yet
+from . import _tp_styles as styles
+
+#: attention implementations that derive causality from the query/key lengths, not a mask
+SEQUENCE_SHARDABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def _decoder(model: nn.Module) -> nn.Module | None:
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) else None
+
+
+def _model_check(model: nn.Module, options: NoOptions, ctx: MeshContext) -> list[Violation]:
+    config = getattr(model, "config", None)
+    decoder = _decoder(model)
+    if config is None or decoder is None:
+        return [Violation(
+            "sp-model", ("plugins.sp",),
+            f"sequence parallelism needs a transformers decoder model; {type(model).__name__} "
+            "has no config or base_model",
+            hint="remove sp (tp alone works with any module and a user plan)",
+        )]
+    bad = []
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in SEQUENCE_SHARDABLE:
+        bad.append(Violation(
+            "sp-attention", ("model.config._attn_implementation", "plugins.sp"),
+            f"attention {attn!r} cannot run on a sequence-sharded model: it builds its causal mask "
+            "from the local (sharded) sequence length",
+            hint="build or load the model with attn_implementation=\"sdpa\" "
+            "(model.set_attn_implementation(\"sdpa\")), or remove sp",
+        ))
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        bad.append(Violation(
+            "sp-model", ("plugins.sp",),
+            f"{type(decoder).__name__}.forward takes no position_ids: rotary positions would "
+            "follow the local sequence length",
+            hint="remove sp",
+        ))
+    bad += blocks_violation(model, None, "sp")
+    return [Violation(v.rule, v.keys, v.message, v.hint, "sp") for v in bad]
+
+
+def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    tp = getattr(model, "_shardgraph_tp", None)
+    if tp is None:
+        raise RuntimeError("sp runs after the tp step, which left no layout on this model")
+    tp.residual.placements = (Shard(1),)
+    modules = dict(model.named_modules())
+    mesh = ctx.mesh(Axis.TP)
+    for fqn, style in _styles(model, tp).items():
+        parallelize_module(modules[fqn], mesh, style)
+    _decoder(model).register_forward_pre_hook(
+        functools.partial(_full_positions, ctx.tp_size), with_kwargs=True)
+    return model
+
+
+def _styles(model: nn.Module, tp) -> dict[str, ParallelStyle]:
+    """What keeps the residual stream sequence-sharded around the modules tp sharded."""
+    planned = [fqn for fqn, style in tp.matched.items() if style != "replicate"]
+    out: dict[str, ParallelStyle] = {}
+    for fqn, block in find_blocks(model):
+        for name, child in block.named_children():
+            path = f"{fqn}.{name}"
+            if path in tp.matched:
+                continue
+            if is_norm(child):
+                out[path] = SequenceParallel(use_local_output=True)
+            elif any(p.startswith(path + ".") for p in planned):
+                out[path] = styles.GatherSequence()  # its rowwise projection reduce-scatters
+            elif any(True for _ in child.parameters()):
+                # Computed whole on every rank, so its parameter gradients agree.
+                out[path] = _Whole()
+    names = {m: n for n, m in model.named_modules()}
+    decoder = _decoder(model)
+    for name, child in decoder.named_children():
+        path = f"{names[decoder]}.{name}".lstrip(".")
+        if is_norm(child) and path not in tp.matched:
+            out[path] = SequenceParallel(use_local_output=True)
+    embed = styles.input_embeddings(model)
+    if embed is not None and names[embed] not in planned:
+        out[names[embed]] = styles.ScatterSequence()
+    if tp.head is not None and tp.head not in planned:
+        out[tp.head] = styles.GatherSequence()
+    return out
+
+
+class _Whole(ParallelStyle):
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        styles.GatherSequence()._apply(module, device_mesh)
+        return styles.ScatterSequence()._apply(module, device_mesh)
+
+
+def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
+    """Give the decoder the positions of the whole sequence before its embeddings are sharded;
+    drop a padding mask that pads nothing (it would be built at the local length)."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    seq = tokens.shape[1]
+    if seq % tp:
+        raise ValueError(f"with sequence parallelism the sequence length ({seq}) must be "
+                         f"divisible by tp = {tp}; pad the batch to a multiple of {tp}")
+    if kwargs.get("position_ids") is None:
+        kwargs["position_ids"] = torch.arange(seq, device=tokens.device).unsqueeze(0)
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.dim() != 2 or not bool(mask.all()):
+            raise ValueError("sequence parallelism takes no padding mask (its attention is "
+                             "causal over the whole sequence); pack or pad-and-ignore with "
+                             "labels = -100 instead")
+        kwargs["attention_mask"] = None
+    return args, kwargs
+
 
 PLUGIN = Plugin(
     name="sp",
@@ -13,7 +157,7 @@ PLUGIN = Plugin(
     requires={"tensor_parallel"},
     after={"tensor_parallel"},
     before={"context_parallel", "activation_checkpointing", "data_parallel"},
-    model_check=not_yet("sp", "tracked by the tensor/sequence/context parallelism issue"),
-    apply=lambda model, options, ctx, inputs: model,
+    model_check=_model_check,
+    apply=_apply,
     doc="sequence parallelism: norms SequenceParallel, activations re-laid-out around attention/MLP",
 )

@@ -1,20 +1,36 @@
-"""tp: tensor parallelism with ``parallelize_module`` and the model's TP plan."""
+"""tp: tensor parallelism with ``parallelize_module`` and the model's TP plan.
+
+The plan is the model's own (transformers: ``config.base_model_tp_plan`` under the decoder's
+attribute, the class's ``_tp_plan`` for the LM head, and the input embedding vocabulary-parallel)
+or the user's ``plan`` (FQN glob -> style name; in TOML ``[plugins.tp.plan]``). Style names are
+translated to torch ``ParallelStyle``s in ``_tp_styles``.
+
+After apply the model is called as before: ``model(input_ids=..., labels=...).loss`` is the
+unparallelised loss, because the LM head's logits are gathered. ``loss_parallel = true`` keeps
+them vocabulary-sharded (a ``DTensor``) instead, which saves the gather and the full-vocabulary
+logits on every rank; the training loop then runs the forward *and* ``backward()`` inside
+``torch.distributed.tensor.parallel.loss_parallel()``, and the loss is a replicated DTensor.
+
+The residual stream between blocks is replicated here; the ``sp`` step that may follow shards it
+along the sequence through the layout this step leaves on the model (``_shardgraph_tp``).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from ..core.axes import Axis
+from ..core.context import MeshContext
 from ..core.errors import Violation, choices_hint, did_you_mean
 from ..plugins import Kind, Plugin
-from ._pending import not_yet
+from . import _tp_styles as styles
 
-#: Style names a plan may use (HF's names and torch's).
-STYLES = (
-    "colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output",
-    "sequence_parallel", "replicated_with_grad_allreduce", "packed_colwise",
-    "local_colwise", "local_rowwise", "gather", "isolate", "replicate",
-)
+STYLES = tuple(styles.STYLES)
 
 
 @attrs.frozen
@@ -24,6 +40,15 @@ class TPOptions:
     plan: dict[str, str] | None = None
     #: keep the LM head's logits sharded over the vocabulary and compute the loss in parallel
     loss_parallel: bool = False
+
+
+@attrs.frozen
+class _Resolved:
+    """The plan as it meets the model: each module FQN and its style, and what is wrong."""
+
+    matched: dict[str, str]
+    problems: list[Violation]
+    head: str | None  # FQN of the LM head, if the model has one
 
 
 def _check(options: TPOptions, layout, settings) -> list[Violation]:
@@ -38,6 +63,185 @@ def _check(options: TPOptions, layout, settings) -> list[Violation]:
     ]
 
 
+def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
+    if options.plan is not None:
+        plan = dict(options.plan)
+        origin = {glob: f"plugins.tp.plan[{glob!r}]" for glob in plan}
+    else:
+        plan, origin = styles.model_plan(model)
+    bad: list[Violation] = []
+    if not plan:
+        bad.append(Violation(
+            "tp-plan", ("plugins.tp.plan",),
+            f"{type(model).__name__} has no TP plan (no config.base_model_tp_plan, no "
+            "_tp_plan) and none was given",
+            hint="give one: plugins.tp.plan = { \"layers.*.attn.q_proj\" = \"colwise\", "
+            "\"layers.*.attn.out_proj\" = \"rowwise\", ... } (in Python: "
+            "Graph().add('tp', size=..., plan={...})); or remove tp",
+            plugin="tp",
+        ))
+        return _Resolved({}, bad, None)
+    for glob, style in plan.items():
+        if style not in styles.STYLES:
+            bad.append(Violation(
+                "tp-style", (origin[glob],),
+                f"unknown TP style {style!r}{did_you_mean(style, STYLES)}",
+                hint=choices_hint(style, STYLES) + "; or give plugins.tp.plan",
+            ))
+    matched, unmatched, twice = styles.expand(plan, model)
+    modules = dict(model.named_modules())
+    if options.plan is not None:
+        names = [n for n in modules if n]
+        for glob in unmatched:
+            close = did_you_mean(glob, names)
+            bad.append(Violation(
+                "tp-unmatched", (origin[glob],),
+                f"{glob!r} matches no module of {type(model).__name__}{close}",
+                hint="globs match FQNs token by token ('layers.*.mlp.up_proj'); list them with "
+                "[n for n, _ in model.named_modules()]",
+            ))
+    # A transformers plan may name modules a variant lacks; transformers skips those too.
+    for fqn, globs in twice.items():
+        bad.append(Violation(
+            "tp-ambiguous", tuple(origin[g] for g in globs),
+            f"module {fqn!r} is matched by {len(globs)} plan entries",
+            hint="make the globs disjoint",
+        ))
+    config = getattr(model, "config", None)
+    for fqn, style in matched.items():
+        spec = styles.STYLES.get(style)
+        if spec is None:
+            continue
+        module = modules[fqn]
+        key = origin[next(g for g in plan if styles.glob_matches(g, fqn))]
+        if spec.modules is not None and not isinstance(module, spec.modules):
+            kinds = " or ".join(m.__name__ for m in spec.modules)
+            bad.append(Violation(
+                "tp-style", (key,),
+                f"{fqn} is a {type(module).__name__}; style {style!r} shards an nn.{kinds}",
+                hint="choose a style for this module type, or a narrower glob",
+            ))
+            continue
+        if style == "replicated_with_grad_allreduce" and not any(True for _ in module.parameters()):
+            bad.append(Violation("tp-style", (key,), f"{fqn} has no parameters to replicate",
+                                 hint="remove the entry"))
+        attr = next((a for t, a in spec.shards.items() if isinstance(module, t)), None)
+        if attr is not None:
+            size = getattr(module, attr)
+            if size % (tp * spec.packed):
+                what = f"{tp}" if spec.packed == 1 else f"{spec.packed} * tp = {spec.packed * tp}"
+                bad.append(Violation(
+                    "tp-divisible", (key, *_config_keys(config, size)),
+                    f"{fqn}.{attr} = {size} is not divisible by {what}",
+                    hint=f"choose tp among the divisors of {size // spec.packed}, or leave "
+                    f"{fqn} out of the plan",
+                ))
+    if any(_is_attention(fqn) for fqn in matched):
+        bad += _head_counts(config, tp)
+    head = styles.output_embeddings(model)
+    head_fqn = next((n for n, m in modules.items() if m is head and n), None) if head else None
+    bad += _tied(model, matched)
+    return _Resolved(matched, bad, head_fqn)
+
+
+def _is_attention(fqn: str) -> bool:
+    return any("attn" in t.lower() or "attention" in t.lower() for t in fqn.split("."))
+
+
+def _config_keys(config, size: int) -> tuple[str, ...]:
+    names = ("vocab_size", "intermediate_size", "hidden_size", "moe_intermediate_size")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return tuple(f"model.config.{n}" for n in names if getattr(text, n, None) == size)
+
+
+def _head_counts(config, tp: int) -> list[Violation]:
+    if config is None:
+        return []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    bad = []
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, attr, None)
+        if isinstance(heads, int) and heads % tp:
+            bad.append(Violation(
+                "tp-heads", (f"model.config.{attr}", "plugins.tp.size"),
+                f"{attr} = {heads} is not divisible by tp = {tp}: every rank needs whole heads",
+                hint=f"choose tp among the divisors of {heads}",
+            ))
+    return bad
+
+
+def _tied(model: nn.Module, matched: dict[str, str]) -> list[Violation]:
+    """Parameters shared by several modules must be split the same way by each of them (a tied
+    LM head ``colwise_gather_output`` and a vocabulary-parallel embedding both split rows)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((f"{name}.{pname}" if name else pname, module))
+    bad = []
+    for group in owners.values():
+        layouts = {_weight_layout(matched.get(n.rpartition(".")[0]), m) for n, m in group}
+        if len(layouts) > 1:
+            names = [n for n, _ in group]
+            bad.append(Violation(
+                "tp-tied", tuple(names),
+                f"the tied parameters {names} would be split differently by the plan",
+                hint="give the modules sharing a weight styles that split it the same way "
+                "(a tied LM head 'colwise_gather_output' with the embedding 'embedding_rowwise'), "
+                "or untie them (config.tie_word_embeddings = False)",
+            ))
+    return bad
+
+
+def _weight_layout(style: str | None, module: nn.Module) -> str:
+    """How ``style`` splits ``module``'s weight: its rows, its columns, or not at all."""
+    if style in styles.HEAD_STYLES or style == "embedding_rowwise":
+        return "rows"
+    if style in ("rowwise", "rowwise_rep"):
+        return "rows" if isinstance(module, nn.Embedding) else "columns"
+    return "packed rows" if style == "packed_colwise" else "whole"
+
+
+def _model_check(model: nn.Module, options: TPOptions, ctx: MeshContext) -> list[Violation]:
+    return [attrs.evolve(v, plugin="tp") for v in _resolve(model, options, ctx.tp_size).problems]
+
+
+def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    resolved = _resolve(model, options, ctx.tp_size)
+    modules = dict(model.named_modules())
+    tied = _tied_groups(model)
+    residual = styles.Residual()
+    tp_mesh = ctx.mesh(Axis.TP)
+    for fqn, style in resolved.matched.items():
+        built = styles.torch_style(style, modules[fqn], residual=residual,
+                                   head=fqn == resolved.head, loss_parallel=options.loss_parallel)
+        if built is not None:
+            parallelize_module(modules[fqn], tp_mesh, built)
+    _retie(model, tied)
+    # sp (a step of its own, after this one) re-lays the residual stream out along the sequence.
+    model._shardgraph_tp = styles.TPLayout(resolved.matched, resolved.head, residual)
+    return model
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, pname))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, groups) -> None:
+    """Sharding replaces each module's parameter by its own DTensor; share the first again."""
+    for (first, name), *rest in groups:
+        param = getattr(first, name)
+        for module, pname in rest:
+            other = getattr(module, pname)
+            if other is not param and type(other) is type(param):
+                same = not isinstance(param, DTensor) or param.placements == other.placements
+                if same:
+                    module.register_parameter(pname, param)
+
+
 PLUGIN = Plugin(
     name="tp",
     kind=Kind.PARALLELISM,
@@ -47,7 +251,7 @@ PLUGIN = Plugin(
     provides={"tensor_parallel", "model_parallel"},
     before={"context_parallel", "expert_parallel", "activation_checkpointing", "data_parallel"},
     check=_check,
-    model_check=not_yet("tp", "tracked by the tensor/sequence/context parallelism issue"),
-    apply=lambda model, options, ctx, inputs: model,
+    model_check=_model_check,
+    apply=_apply,
     doc="tensor parallelism: parallelize_module with the model's (or a user's) TP plan",
 )

@@ -1,0 +1,307 @@
+"""TP plans: where they come from, how their globs match modules, and the torch
+``ParallelStyle`` each style name stands for.
+
+A plan maps an FQN glob to a style name. Globs match one FQN token per dot-separated token
+(``layers.*.mlp.up_proj`` matches ``layers.3.mlp.up_proj``, never ``layers.3.x.mlp.up_proj``),
+as ``parallelize_module`` does — but here a glob that matches nothing is reported, not skipped.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import attrs
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+LINEAR = (nn.Linear,)
+EMBEDDING = (nn.Embedding,)
+
+
+@attrs.frozen
+class Style:
+    """What a style name means: the modules it applies to and the dimension it shards."""
+
+    name: str
+    modules: tuple[type, ...] | None  # None: any module
+    #: attribute of the module whose size tp must divide ("" when nothing is split)
+    shards: Mapping[type, str] = attrs.field(factory=dict)
+    #: the split must also keep each of ``packed`` fused parts whole on every rank
+    packed: int = 1
+    doc: str = ""
+
+
+STYLES: dict[str, Style] = {s.name: s for s in (
+    Style("colwise", LINEAR, {nn.Linear: "out_features"},
+          doc="weight split along outputs; input replicated, output sharded on the last dim"),
+    Style("colwise_rep", LINEAR, {nn.Linear: "out_features"},
+          doc="colwise, output gathered (replicated)"),
+    Style("colwise_gather_output", LINEAR, {nn.Linear: "out_features"},
+          doc="colwise, output gathered (replicated); transformers' LM-head style"),
+    Style("rowwise", LINEAR + EMBEDDING,
+          {nn.Linear: "in_features", nn.Embedding: "num_embeddings"},
+          doc="weight split along inputs (an embedding: along the vocabulary); output reduced"),
+    Style("rowwise_rep", LINEAR, {nn.Linear: "in_features"},
+          doc="rowwise on a replicated input (each rank takes its slice)"),
+    Style("embedding_rowwise", EMBEDDING, {nn.Embedding: "num_embeddings"},
+          doc="vocabulary-parallel embedding; output reduced"),
+    Style("packed_colwise", LINEAR, {nn.Linear: "out_features"}, packed=2,
+          doc="colwise for a fused [gate; up] projection: each rank keeps its slice of both"),
+    Style("sequence_parallel", None,
+          doc="parameters replicated, input and output sharded along the sequence (dim 1)"),
+    Style("replicated_with_grad_allreduce", None,
+          doc="parameters replicated, gradients summed over tp (a per-head q/k norm)"),
+    Style("replicate", None, doc="left whole on every rank"),
+)}
+
+HEAD_STYLES = frozenset({"colwise", "colwise_rep", "colwise_gather_output"})
+
+
+def glob_matches(glob: str, fqn: str) -> bool:
+    parts, names = glob.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(
+        fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names)
+    )
+
+
+def expand(plan: Mapping[str, str], model: nn.Module) -> tuple[dict[str, str], list[str], dict]:
+    """``(fqn -> style, globs that matched nothing, fqn -> [globs] matched more than once)``."""
+    modules = [name for name, _ in model.named_modules() if name]
+    matched: dict[str, str] = {}
+    by: dict[str, list[str]] = {}
+    unmatched = []
+    for glob, style in plan.items():
+        hits = [name for name in modules if glob_matches(glob, name)]
+        if not hits:
+            unmatched.append(glob)
+        for name in hits:
+            matched.setdefault(name, style)
+            by.setdefault(name, []).append(glob)
+    twice = {name: globs for name, globs in by.items() if len(globs) > 1}
+    order = {name: i for i, name in enumerate(modules)}
+    return dict(sorted(matched.items(), key=lambda kv: order[kv[0]])), unmatched, twice
+
+
+def model_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """The plan a transformers model carries, and where each entry came from.
+
+    ``config.base_model_tp_plan`` (relative to the decoder, so prefixed with its attribute,
+    e.g. ``model.``), then the class's ``_tp_plan`` (the LM head), then — as transformers
+    itself does — the input embedding as a vocabulary-parallel embedding when the plan is not
+    empty and does not name it.
+    """
+    plan: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    base = getattr(model, "base_model", model)
+    prefix = next((f"{n}." for n, m in model.named_modules() if m is base and n), "")
+    for glob, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
+        plan[prefix + glob] = style
+        origin[prefix + glob] = f"config.base_model_tp_plan[{glob!r}]"
+    for glob, style in (getattr(type(model), "_tp_plan", None) or {}).items():
+        plan[glob] = style
+        origin[glob] = f"{type(model).__name__}._tp_plan[{glob!r}]"
+    embed = input_embeddings(model)
+    if plan and isinstance(embed, nn.Embedding):
+        name = next(n for n, m in model.named_modules() if m is embed)
+        if not any(glob_matches(g, name) for g in plan):
+            plan = {name: "embedding_rowwise", **plan}
+            origin[name] = "the input embedding (vocabulary-parallel, as transformers shards it)"
+    return plan, origin
+
+
+def input_embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def output_embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+@attrs.define
+class Residual:
+    """How the residual stream between blocks is laid out over tp: replicated after tp, sharded
+    along the sequence once sp switches it (``placements = (Shard(1),)``). The styles that write
+    into it or read from it (rowwise projections, the embedding, the LM head) read it per call."""
+
+    placements: tuple = (Replicate(),)
+
+
+@attrs.frozen
+class TPLayout:
+    """What tp did to a model, for the plugins that build on it (sp)."""
+
+    matched: dict[str, str]  # module FQN -> style name
+    head: str | None
+    residual: Residual
+
+
+def torch_style(
+    name: str, module: nn.Module, *, residual: Residual, head: bool, loss_parallel: bool
+) -> ParallelStyle | None:
+    """The torch ``ParallelStyle`` for style ``name`` on ``module``.
+
+    The LM head's logits are gathered (replicated) unless ``loss_parallel`` keeps them
+    vocabulary-sharded (a DTensor for ``loss_parallel()``).
+    """
+    if head and name in HEAD_STYLES:
+        return ResidualHead(residual, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                            use_local_output=not loss_parallel)
+    if name == "colwise":
+        return ColwiseParallel()
+    if name in ("colwise_rep", "colwise_gather_output"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "embedding_rowwise" or (name == "rowwise" and isinstance(module, nn.Embedding)):
+        return ResidualRowwise(residual, input_layouts=Replicate())
+    if name == "rowwise":
+        return ResidualRowwise(residual)
+    if name == "rowwise_rep":
+        return ResidualRowwise(residual, input_layouts=Replicate())
+    if name == "packed_colwise":
+        return PackedColwiseParallel()
+    if name == "sequence_parallel":
+        return SequenceParallel(use_local_output=True)
+    if name == "replicated_with_grad_allreduce":
+        return ReplicatedWithGradAllReduce()
+    if name == "replicate":
+        return None
+    raise KeyError(name)
+
+
+class ResidualRowwise(RowwiseParallel):
+    """Rowwise whose output goes to the residual stream: all-reduced, or reduce-scattered along
+    the sequence under sp."""
+
+    def __init__(self, residual: Residual, **kwargs):
+        super().__init__(**kwargs)
+        self.residual = residual
+
+    def _prepare_output_fn(self, _layouts, use_local_output, mod, outputs, device_mesh):
+        return RowwiseParallel._prepare_output_fn(
+            self.residual.placements, use_local_output, mod, outputs, device_mesh)
+
+
+class ResidualHead(ColwiseParallel):
+    """The LM head: colwise over the vocabulary, its input taken from the residual stream."""
+
+    def __init__(self, residual: Residual, **kwargs):
+        super().__init__(**kwargs)
+        self.residual = residual
+
+    def _prepare_input_fn(self, _layouts, desired, mod, inputs, device_mesh):
+        return ColwiseParallel._prepare_input_fn(
+            self.residual.placements, desired, mod, inputs, device_mesh)
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """Colwise for a fused ``[gate; up]`` weight: each rank holds its slice of each half.
+
+    The weight is a DTensor with ``_StridedShard(0, split_factor=2)``, so ``full_tensor()`` is
+    the original fused weight (checkpoints keep their layout); the local output is
+    ``[gate_r, up_r]`` and the model's own ``chunk(2, -1)`` splits it correctly.
+    """
+
+    def __init__(self, parts: int = 2):
+        super().__init__()
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in module.named_parameters():
+            placement = _StridedShard(0, split_factor=self.parts)
+            dist_param = nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, dist_param)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """Parameters replicated over tp; each rank's gradient is partial and gets summed.
+
+    For a module that sees only this rank's slice of the activations — Qwen3's per-head
+    ``q_norm``/``k_norm`` after a colwise projection sees only the local heads. Its input is
+    declared sharded on dim 0 (a rank-local slice; the module must treat dim 0 independently,
+    as a norm does), so the weight gradient comes out ``Partial`` and DTensor reduces it.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [Replicate()],
+                                  src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            ))
+
+        def to_dtensor(mod, args):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(0)], run_check=False)
+            return (x, *args[1:])
+
+        def to_local(mod, args, out):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(to_local)
+        return module
+
+
+class GatherSequence(ParallelStyle):
+    """All-gather a module's hidden-states input from sequence-sharded to replicated.
+
+    Unlike ``PrepareModuleInput`` it takes the input positionally or as ``hidden_states=``
+    (transformers calls attention with keywords and the MLP positionally).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return x.redistribute(placements=[Replicate()]).to_local()
+
+        def hook(mod, args, kwargs):
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            raise TypeError(f"{type(mod).__name__} got no hidden states to gather")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class ScatterSequence(ParallelStyle):
+    """Keep this rank's slice of the sequence of a replicated output (a replicated embedding, a
+    block part computed whole on every rank)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def scatter(x):
+            full = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            return full.redistribute(placements=[Shard(1)]).to_local()
+
+        def hook(mod, args, out):
+            return (scatter(out[0]), *out[1:]) if isinstance(out, tuple) else scatter(out)
+
+        module.register_forward_hook(hook)
+        return module
