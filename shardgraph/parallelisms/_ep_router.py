@@ -16,6 +16,7 @@ of the router: its ``enable_hook`` is off exactly while it recomputes the block.
 from __future__ import annotations
 
 import collections
+import weakref
 
 import torch
 import torch.nn as nn
@@ -25,9 +26,9 @@ from torch.distributed._composable.contract import _get_registry
 
 
 def keep_router_outputs(router: nn.Module, ancestors: tuple[nn.Module, ...]) -> None:
-    """``ancestors``: the router's enclosing modules, outermost first (a plain tuple, so they are
-    not registered as submodules)."""
-    router._ep_ancestors = ancestors
+    """``ancestors``: the router's enclosing modules, outermost first. Held weakly: they hold
+    the router, and as modules they would register as its submodules."""
+    router._ep_ancestors = tuple(weakref.ref(m) for m in ancestors)
     router._ep_kept = collections.deque()
     router.__class__ = _keeping_class(type(router))
 
@@ -44,10 +45,11 @@ def _keeping_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _ac_state(ancestors: tuple[nn.Module, ...]):
+def _ac_state(ancestors: tuple[weakref.ref, ...]):
     """The composable-checkpoint state of the innermost checkpointed ancestor, if any."""
-    for module in reversed(ancestors):
-        if "checkpoint" in (_get_registry(module) or {}):
+    for ref in reversed(ancestors):
+        module = ref()
+        if module is not None and "checkpoint" in (_get_registry(module) or {}):
             return checkpoint.state(module)
     return None
 

@@ -1,0 +1,278 @@
+"""ep: expert parallelism applied for real on gloo, against a single-process reference.
+
+A tiny Qwen3-MoE built from a config (4 experts at world 2, 8 at world 4, top-2 routing) with
+``router_aux_loss_coef = 0.1``, so the load-balancing loss weighs on the step. Each rank trains on
+its own data-parallel slice. The aux loss is not linear in the batch, so the reference is the
+unsharded model run on every slice, each rank's loss compared with its own slice's, and one SGD
+step on the mean of the per-slice gradients (what averaging over dp computes).
+
+Tolerances (fp32, SGD lr 0.1): loss and aux loss 1e-5, parameters 1e-6 (measured: losses and aux
+losses bit-equal, parameters <= 7.5e-9).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._composable import _get_registry
+from torch.distributed.tensor import DTensor, Shard
+
+from shardgraph import Graph, MeshContext, PlanError, loads_toml
+from tests import _dist
+from tests.models import VOCAB, full, tiny_llama
+
+HIDDEN, LAYERS, LR = 64, 2, 0.1
+
+SCENARIOS = {
+    # world 2: ep = dp = 2, ep_shard = 1
+    "ep2": lambda: Graph().add("ep", size=2).add("fsdp2"),
+    "ep2_ac": lambda: Graph().add("ep", size=2).add("fsdp2").add("activation_checkpointing"),
+    "ep2_ac_keep_router": lambda: Graph().add("ep", size=2, ignore_router_for_ac=True)
+    .add("fsdp2").add("activation_checkpointing"),
+    # every token routed to the first half of the experts: ep rank 1 receives none
+    "ep2_idle_rank": lambda: Graph().add("ep", size=2).add("fsdp2"),
+    # world 4
+    "ep4": lambda: Graph().add("ep", size=4).add("fsdp2"),
+    "ep2_dp4": lambda: Graph().add("ep", size=2, reshard_after_forward=True).add("fsdp2"),
+}
+
+
+def tiny_qwen3_moe(experts: int, seed: int = 0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=experts, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1, attn_implementation="sdpa", use_cache=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def _reference(model, slices):
+    """Per-slice (loss, aux loss), and the parameters after SGD on the mean of the gradients."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    losses = []
+    for tokens in slices:
+        out = ref(input_ids=tokens, labels=tokens)
+        (out.loss / len(slices)).backward()
+        losses.append((out.loss.item(), out.aux_loss.item()))
+    opt.step()
+    return losses, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+@contextlib.contextmanager
+def _count_router_runs(router_cls):
+    """Count the router computations themselves (module hooks fire for kept outputs too)."""
+    runs, forward = [], router_cls.forward
+
+    def counted(self, *args, **kwargs):
+        runs.append(1)
+        return forward(self, *args, **kwargs)
+
+    router_cls.forward = counted
+    try:
+        yield runs
+    finally:
+        router_cls.forward = forward
+
+
+def _scenario(name: str, world_size: int) -> dict:
+    plan = SCENARIOS[name]().compile(world_size=world_size)
+    ctx = plan.build_mesh("cpu")
+    experts = 4 if world_size == 2 else 8
+    model = tiny_qwen3_moe(experts)
+    if name == "ep2_idle_rank":
+        for layer in model.model.layers:
+            layer.mlp.experts.register_forward_pre_hook(
+                lambda m, args: (args[0], args[1] % (experts // 2), args[2]))
+    g = torch.Generator().manual_seed(1)
+    slices = list(torch.randint(0, VOCAB, (2 * world_size, 8), generator=g).chunk(world_size))
+    ref_losses, ref_params = _reference(model, slices)
+
+    model = plan.apply(model, ctx)
+    dp = ctx.mesh("dp").get_local_rank()
+    tokens = slices[dp]
+    moe = model.model.layers[0].mlp
+    per_rank = []  # rows each rank of the ep group gets from this rank, per forward
+    moe.experts.register_forward_pre_hook(lambda m, args: per_rank.append(
+        torch.bincount(args[1].flatten(), minlength=experts).view(ctx.ep_size, -1).sum(1).tolist()))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    with _count_router_runs(Qwen3MoeTopKRouter) as runs:
+        out = model(input_ids=tokens, labels=tokens)
+        expert_mesh_after_forward = moe.experts.gate_up_proj.device_mesh.ndim
+        out.loss.backward()
+    opt.step()
+
+    local = moe.experts.gate_up_proj.to_local()
+    return {
+        "loss": out.loss.item(), "aux": out.aux_loss.item(),
+        "ref_loss": ref_losses[dp][0], "ref_aux": ref_losses[dp][1],
+        "param_diff": max((full(p).float() - ref_params[n]).abs().max().item()
+                          for n, p in model.named_parameters()),
+        "experts": experts, "ep": ctx.ep_size, "ep_shard": ctx.layout.ep_shard,
+        "expert_local_rows": local.shape[0],
+        "expert_full_shape": tuple(full(moe.experts.gate_up_proj).shape),
+        "expert_mesh": moe.experts.gate_up_proj.device_mesh.mesh_dim_names,
+        "expert_ep_placement": moe.experts.gate_up_proj.placements[-1],
+        "router_mesh": moe.gate.weight.device_mesh.mesh_dim_names,
+        "router_full_shape": tuple(full(moe.gate.weight).shape),
+        # one ndim: the parameter is the unsharded DTensor over ep; two: resharded (ep_shard, ep)
+        "expert_mesh_ndim_after_forward": expert_mesh_after_forward,
+        "routed_rows": per_rank,
+        "router_runs": len(runs),
+        "router_kept_after_step": len(getattr(moe.gate, "_ep_kept", ())),
+        "checkpointed": "checkpoint" in (_get_registry(model.model.layers[0]) or {}),
+        "expert_class": type(moe.experts).__name__,
+        "steps": [s.plugin for s in plan.steps],
+    }
+
+
+def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
+    out = {name: _scenario(name, world_size) for name in names}
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2():
+    names = ["ep2", "ep2_ac", "ep2_ac_keep_router", "ep2_idle_rank"]
+    return _dist.run(run_scenarios, 2, names, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return _dist.run(run_scenarios, 4, ["ep4", "ep2_dp4"], timeout=300)
+
+
+def _matches_reference(results, name):
+    for r in results:
+        got = r[name]
+        assert abs(got["loss"] - got["ref_loss"]) < 1e-5, got
+        assert abs(got["aux"] - got["ref_aux"]) < 1e-5, got
+        assert got["param_diff"] < 1e-6, got
+    # each rank trained on its own slice
+    assert len({r[name]["loss"] for r in results}) == len(results)
+
+
+def _experts_sharded(results, name):
+    for r in results:
+        got = r[name]
+        e, ep, ep_shard = got["experts"], got["ep"], got["ep_shard"]
+        assert got["expert_full_shape"] == (e, 2 * 32, HIDDEN)
+        assert got["expert_local_rows"] * ep * ep_shard == e, got
+        assert got["expert_mesh"] == ("ep_shard", "ep")
+        assert got["expert_ep_placement"] == Shard(0)
+        # the router is a dense parameter: the strategy's, on the dense mesh, not split by expert
+        assert got["router_full_shape"] == (e, HIDDEN)
+        assert "ep" not in got["router_mesh"]
+        assert got["expert_class"].startswith("FSDPExpertParallel")
+        # the all-to-all carried uneven splits
+        assert any(len(set(rows)) > 1 for rows in got["routed_rows"]), got["routed_rows"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["ep2", "ep2_ac", "ep2_ac_keep_router"])
+def test_ep2_world2_matches_reference(world2, name):
+    _matches_reference(world2, name)
+    _experts_sharded(world2, name)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_receives_no_token_still_matches(world2):
+    _matches_reference(world2, "ep2_idle_rank")
+    for r in world2:
+        assert all(rows[1] == 0 for rows in r["ep2_idle_rank"]["routed_rows"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["ep4", "ep2_dp4"])
+def test_world4_matches_reference(world4, name):
+    _matches_reference(world4, name)
+    _experts_sharded(world4, name)
+    assert {r[name]["ep_shard"] for r in world4} == {1 if name == "ep4" else 2}
+
+
+@pytest.mark.multiprocess
+def test_reshard_after_forward_is_honoured(world2, world4):
+    assert all(r["ep2"]["expert_mesh_ndim_after_forward"] == 1 for r in world2)  # default: kept
+    assert all(r["ep2_dp4"]["expert_mesh_ndim_after_forward"] == 2 for r in world4)
+
+
+@pytest.mark.multiprocess
+def test_activation_checkpointing_recomputes_or_keeps_the_router(world2):
+    for r in world2:
+        assert r["ep2"]["router_runs"] == LAYERS and not r["ep2"]["checkpointed"]
+        assert r["ep2_ac"]["checkpointed"] and r["ep2_ac_keep_router"]["checkpointed"]
+        assert r["ep2_ac"]["router_runs"] == 2 * LAYERS  # forward, then recomputed in backward
+        assert r["ep2_ac_keep_router"]["router_runs"] == LAYERS  # its outputs were kept
+        assert r["ep2_ac_keep_router"]["router_kept_after_step"] == 0  # and released
+        assert r["ep2_ac"]["steps"] == ["ep", "activation_checkpointing", "fsdp2"]
+
+
+# -- rejections: before any process group, or before the model changes ------------------------
+
+
+def _unchanged(model) -> bool:
+    return not any(isinstance(p, DTensor) for p in model.parameters()) and not any(
+        type(m).__name__.startswith(("ExpertParallel", "FSDP")) for m in model.modules())
+
+
+@pytest.mark.parametrize("model_fn, ep, world, key, words", [
+    (lambda: tiny_llama(), 2, 2, "plugins.ep", "no mixture-of-experts layers"),
+    (lambda: tiny_qwen3_moe(experts=6), 4, 4, "plugins.ep.size", "6 experts are not divisible"),
+])
+def test_model_checks_refuse_before_any_change(model_fn, ep, world, key, words):
+    plan = Graph().add("ep", size=ep).add("fsdp2").compile(world_size=world)
+    model = model_fn()
+    with pytest.raises(PlanError, match=words) as info:
+        # The checks run before anything needs a process group.
+        plan.apply(model, MeshContext(plan.layout, "cpu"))
+    assert info.value.rule == "model" and info.value.key == key and info.value.plugin == "ep"
+    assert len(info.value.violations) == 1  # one per problem, not one per layer
+    assert _unchanged(model)
+
+
+@pytest.mark.parametrize("source, key", [
+    (lambda: Graph().add("ep", size=1, ignore_router_for_ac=True).add("fsdp2"),
+     "plugins.ep.ignore_router_for_ac"),
+    (lambda: loads_toml("""
+[distributed]
+strategy = "fsdp2"
+ep_size = 1
+[distributed.moe]
+reshard_after_forward = true
+"""), "distributed.moe.reshard_after_forward"),
+])
+def test_moe_options_need_ep_above_one(source, key):
+    with pytest.raises(PlanError, match="would have no effect") as info:
+        source().compile(world_size=2)
+    assert info.value.rules == ("inactive-options",) and info.value.key == key
+
+
+def test_ep_needs_a_fully_shard_strategy():
+    with pytest.raises(PlanError) as info:
+        Graph().add("ep", size=2).add("ddp").compile(world_size=2)
+    assert "requires" in info.value.rules and "plugins.ep" in info.value.keys
+
+
+def test_moe_section_and_graph_compile_to_the_same_plan():
+    toml = loads_toml("""
+[distributed]
+strategy = "fsdp2"
+ep_size = 2
+activation_checkpointing = true
+[distributed.moe]
+ignore_router_for_ac = true
+""").compile(world_size=4)
+    graph = SCENARIOS["ep2_ac_keep_router"]().compile(world_size=4)
+    assert toml.to_dict() == graph.to_dict()
+    assert toml.to_dict()["moe_mesh"] == {"names": ["pp", "ep_shard", "ep"], "shape": [1, 2, 2]}
