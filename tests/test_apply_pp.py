@@ -184,7 +184,8 @@ def test_stages_are_placed_looped_or_in_a_v(world2):
 def test_unused_modules_are_removed_and_fqns_kept(world2):
     first, last = (r["1f1b"] for r in world2)
     assert any(n.startswith("model.embed_tokens") for n in first["names"])
-    assert not any(n.startswith(("lm_head", "model.norm", "model.layers.2")) for n in first["names"])
+    assert not any(n.startswith(("lm_head", "model.norm", "model.layers.2"))
+                   for n in first["names"])
     assert not any(n.startswith(("model.embed_tokens", "model.layers.1.")) for n in last["names"])
     assert any(n.startswith("model.layers.3.") for n in last["names"])
     assert "lm_head.weight" in last["names"]

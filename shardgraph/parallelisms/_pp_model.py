@@ -246,7 +246,8 @@ class _FailureWatch:
         try:
             self.store.set(self.prefix + "error", f"{stage}\x00{self.rank}\x00{reason}")
             deadline = time.monotonic() + self.ACK_WAIT_S
-            while time.monotonic() < deadline and self.store.add(self.prefix + "seen", 0) < self.size - 1:
+            seen = self.prefix + "seen"
+            while time.monotonic() < deadline and self.store.add(seen, 0) < self.size - 1:
                 time.sleep(self.POLL_S)
         except Exception:  # noqa: BLE001 - report the failure itself, not the store's
             pass

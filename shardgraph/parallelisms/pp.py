@@ -1,4 +1,29 @@
-"""pp: pipeline parallelism with ``torch.distributed.pipelining`` stages and schedules."""
+"""pp: pipeline parallelism with ``torch.distributed.pipelining`` stages and schedules.
+
+Schedules (``SCHEDULES``, case-insensitive; torch's class names work with and without the
+``Schedule`` prefix):
+
+- ``1f1b`` (default): ``Schedule1F1B``, one stage per rank
+- ``gpipe``: ``ScheduleGPipe``, one stage per rank
+- ``interleaved_1f1b`` = ``interleaved1f1b`` = ``dfs``: ``ScheduleInterleaved1F1B``, looped
+- ``looped_bfs``: ``ScheduleLoopedBFS``, looped
+- ``zero_bubble``: ``ScheduleInterleavedZeroBubble``, looped
+- ``v_schedule`` = ``zbvzerobubble``: ``ScheduleZBVZeroBubble``, exactly 2 stages per rank in a V
+- ``dualpipev``: ``ScheduleDualPipeV``, exactly 2 stages per rank in a V
+
+Looped schedules default to 2 stages per rank (``stages_per_rank`` sets more). Looped
+placement: pp rank r holds stages r, r + pp, r + 2 pp, ...; V placement: r and 2 pp - 1 - r.
+The number of microbatches is the local batch over ``microbatch_size``; ``check`` refuses what
+torch's schedules cannot run (see ``microbatch_violations``) when ``local_batch_size`` is given,
+and every step checks the same against the batch it gets.
+
+``scale_grads_in_schedule``: torch divides the gradients by the number of microbatches after
+the step; off (the default, as in torchtitan), the loss of each microbatch is divided instead.
+Either way the gradients are those of the mean microbatch loss.
+
+The split itself is in ``_pp_split`` (stage modules), the runtime in ``_pp_model``
+(``PipelinedModel``: stages, schedule, failure reporting); ``Plan.train_step`` runs a step.
+"""
 
 from __future__ import annotations
 
