@@ -4,11 +4,12 @@ with torch.distributed."""
 from .core import Axis, MeshContext, MeshLayout, PlanError, Settings, Violation
 from .graphs import Graph, Plan, Step
 from .graphs.toml import load_toml, loads_toml
+from .parallelisms.cp import shard_batch
 from .plugins import Kind, NoOptions, Plugin, Registry, builtin_registry, default_registry
 
 __all__ = [
     "Axis", "Graph", "Kind", "MeshContext", "MeshLayout", "NoOptions", "Plan", "PlanError",
     "Plugin", "Registry", "Settings", "Step", "Violation", "builtin_registry",
-    "default_registry", "load_toml", "loads_toml",
+    "default_registry", "load_toml", "loads_toml", "shard_batch",
 ]
 __version__ = "0.1.0"

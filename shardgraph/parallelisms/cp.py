@@ -1,13 +1,50 @@
-"""cp: context parallelism, Q/K/V sharded along the sequence over the ``cp`` axis."""
+"""cp: context parallelism, the sequence sharded over the ``cp`` axis.
+
+Each cp rank holds ``1/cp`` of every sequence (load-balanced: chunk ``r`` and its mirror
+``2*cp-1-r`` of ``2*cp`` chunks, so causal attention costs every rank the same). Attention runs
+through a function registered with transformers' attention interface that all-gathers K/V over
+the cp group; the attention mask is dropped and attention is causal by global position.
+
+A training loop makes one call — :func:`shard_batch` — and uses the model as before::
+
+    inputs = shard_batch(model, {"input_ids": ids, "labels": ids})
+    loss = model(**inputs).loss        # the loss of the whole sequences, on every cp rank
+    loss.backward()
+
+``shard_batch`` keeps this rank's tokens (``input_ids``, ``labels`` shifted over the *whole*
+sequence first, ``position_ids`` of the kept tokens) and passes ``num_items_in_batch`` — the
+label count of the whole sequences — so each rank's loss is its share of a token-weighted mean;
+the model's output loss is then summed over cp (autograd-aware), which makes it the loss of the
+unsharded batch and its gradient, after the data-parallel strategy's average over
+``dp_shard_cp``, the unsharded gradient. The logits in the output are this rank's tokens only.
+On a model without cp, ``shard_batch`` returns the batch unchanged.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.axes import Axis
+from ..core.context import MeshContext
 from ..core.errors import Violation
 from ..plugins import Kind, Plugin
-from ._pending import not_yet
+from . import _cp_attention
+
+__all__ = ["CPOptions", "shard_batch"]
+
+ATTENTIONS = ("allgather", "ring", "te")
+IGNORE_INDEX = -100
+_names = itertools.count()
 
 
 @attrs.frozen
@@ -18,9 +55,15 @@ class CPOptions:
     load_balance: bool = True
 
 
+@attrs.frozen
+class _State:
+    mesh: DeviceMesh
+    load_balance: bool
+
+
 def _check(options: CPOptions, layout, settings) -> list[Violation]:
     bad = []
-    if options.attention not in ("allgather", "ring", "te"):
+    if options.attention not in ATTENTIONS:
         bad.append(Violation("option", ("attention",),
                              f"unknown CP attention {options.attention!r}",
                              hint="valid: 'allgather', 'ring', 'te'"))
@@ -35,6 +78,142 @@ def _check(options: CPOptions, layout, settings) -> list[Violation]:
     return bad
 
 
+def _model_check(model: nn.Module, options: CPOptions, ctx: MeshContext) -> list[Violation]:
+    key = ("plugins.cp.attention",)
+    if options.attention != "allgather":
+        need = "CUDA" if options.attention == "ring" else "CUDA and transformer-engine"
+        return [Violation(
+            "cp-attention", key,
+            f"cp attention {options.attention!r} is not built in this version of shardgraph "
+            f"(it would need {need})",
+            hint="use attention = \"allgather\" (exact, CPU and GPU)", plugin="cp",
+        )]
+    config = getattr(model, "config", None)
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if config is None or not callable(can_set) or not can_set():
+        return [Violation(
+            "cp-attention", ("plugins.cp",),
+            f"{type(model).__name__} does not compute attention through transformers' attention "
+            "interface, so cp cannot swap in its sequence-sharded attention",
+            hint="use a transformers model that supports attn_implementation, or remove cp",
+            plugin="cp",
+        )]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    bad = []
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if window is not None and (layer_types is None or "sliding_attention" in layer_types):
+        bad.append(Violation(
+            "cp-attention", ("model.config.sliding_window", "plugins.cp"),
+            f"the model's attention uses a sliding window of {window} tokens; cp's attention is "
+            "full causal attention and would attend past the window",
+            hint="set config.sliding_window = None (and use_sliding_window = False) when "
+            "sequences are no longer than the window, or remove cp",
+            plugin="cp",
+        ))
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None:
+        bad.append(Violation(
+            "cp-attention", ("model.config.attn_logit_softcapping", "plugins.cp"),
+            f"the model soft-caps attention logits (attn_logit_softcapping = {softcap}), which "
+            "cp's attention does not", hint="remove cp", plugin="cp",
+        ))
+    return bad
+
+
+def _apply(model: nn.Module, options: CPOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    from transformers import AttentionInterface
+
+    mesh = ctx.mesh(Axis.CP)
+    name = f"shardgraph_cp_{next(_names)}"
+    AttentionInterface.register(name, _cp_attention.attention(mesh, options.load_balance))
+    model.set_attn_implementation(name)
+    model._shardgraph_cp = _State(mesh, options.load_balance)
+    model.register_forward_pre_hook(_require_sharded, with_kwargs=True)
+    model.register_forward_hook(_sum_loss_over_cp)
+    return model
+
+
+def _require_sharded(model: nn.Module, args, kwargs):
+    if kwargs.get("position_ids") is None or (
+            kwargs.get("labels") is not None and kwargs.get("num_items_in_batch") is None):
+        raise ValueError("a context-parallel model takes the inputs of "
+                         "shardgraph.parallelisms.cp.shard_batch(model, batch)")
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError("a context-parallel model takes no attention_mask (shard_batch drops it)")
+
+
+def _sum_loss_over_cp(model: nn.Module, args, output):
+    loss = output.get("loss") if isinstance(output, Mapping) else None
+    if loss is not None:
+        output["loss"] = _SumOverGroup.apply(loss, model._shardgraph_cp.mesh.get_group())
+    return output
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: each rank's share of the loss
+    gets weight cp, which the strategy's gradient average over ``dp_shard_cp`` divides out."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def shard_batch(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """This rank's share of ``batch`` for a context-parallel ``model``: the keyword arguments of
+    ``model(**...)``. Every cp rank passes the same (data-parallel-local) batch.
+
+    ``batch`` holds ``input_ids`` or ``inputs_embeds`` of shape ``(batch, seq, ...)``, optionally
+    ``labels`` (unshifted, as transformers takes them; ``-100`` is ignored), ``position_ids`` and
+    an ``attention_mask`` without padding (it is dropped). ``seq`` must divide into ``2 * cp``
+    chunks (``cp`` without load balancing). Other keys pass through unchanged.
+    """
+    state: _State | None = getattr(model, "_shardgraph_cp", None)
+    if state is None:
+        return dict(batch)
+    cp, rank = state.mesh.size(), state.mesh.get_local_rank()
+    tokens = batch.get("input_ids")
+    if tokens is None:
+        tokens = batch["inputs_embeds"]
+    size, seq = tokens.shape[0], tokens.shape[1]
+    chunks = 2 * cp if state.load_balance else cp
+    if seq % chunks:
+        raise ValueError(f"sequence length {seq} is not divisible by {chunks} "
+                         f"({'2 * ' if state.load_balance else ''}cp); pad it to "
+                         f"{math.ceil(seq / chunks) * chunks} with labels = {IGNORE_INDEX}")
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("context parallelism takes no padding mask: pad on the right with "
+                         f"labels = {IGNORE_INDEX} instead (attention is causal)")
+    index = _cp_attention.token_index(seq, cp, rank, state.load_balance).to(tokens.device)
+    out = {k: v for k, v in batch.items() if k not in (
+        "input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")}
+    for key in ("input_ids", "inputs_embeds"):
+        if batch.get(key) is not None:
+            out[key] = batch[key][:, index]
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq, device=tokens.device).unsqueeze(0)
+    out["position_ids"] = positions.expand(size, seq)[:, index]
+    shifted = batch.get("shift_labels")
+    if shifted is None and batch.get("labels") is not None:
+        shifted = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+    if shifted is not None:
+        local = shifted[:, index]
+        out["labels"] = out["shift_labels"] = local
+        out.setdefault("num_items_in_batch", int((shifted != IGNORE_INDEX).sum()))
+    return out
+
+
 PLUGIN = Plugin(
     name="cp",
     kind=Kind.PARALLELISM,
@@ -43,7 +222,7 @@ PLUGIN = Plugin(
     provides={"context_parallel", "model_parallel"},
     before={"expert_parallel", "activation_checkpointing", "data_parallel"},
     check=_check,
-    model_check=not_yet("cp", "tracked by the tensor/sequence/context parallelism issue"),
-    apply=lambda model, options, ctx, inputs: model,
+    model_check=_model_check,
+    apply=_apply,
     doc="context parallelism: sequence-sharded attention over the cp axis",
 )
