@@ -1,8 +1,9 @@
 """``shardgraph train`` end to end under real torchrun launches (gloo, CPU).
 
 One pipeline (tiny Llama, SGD with momentum, lr 0.05, 20 steps, checkpoints every 5) trained:
-in this process (world 1, the reference), by ``shardgraph train --nproc 4`` under fsdp2 and by
-``--nproc 2`` under fsdp2 + activation checkpointing. Tolerance against the reference: loss
+in this process (world 1, the reference), by ``shardgraph train --nproc 4`` under fsdp2 and
+under pp 2 x fsdp2 (1F1B, 4 microbatches), and by ``--nproc 2`` under fsdp2 + activation
+checkpointing; its MoE twin (Qwen3-MoE, 4 experts) in this process and under ep 2 x fsdp2. Tolerance against the reference: loss
 2e-5 absolute over the first 5 steps (measured ~1e-6: FSDP averages gradients in another
 order). Then a run killed inside a checkpoint save, its resume, and the checkpoint of the
 4-process run loaded under other plans and world sizes, bit for bit.
@@ -54,11 +55,16 @@ keep = 10
 """
 FSDP2 = "[plugins.fsdp2]"
 FSDP2_AC = "[plugins.fsdp2]\n[plugins.activation_checkpointing]"
+PP_FSDP2 = "[plugins.pp]\nsize = 2\nmicrobatch_size = 2\n[plugins.fsdp2]"
+MOE = PIPELINE.replace('"LlamaForCausalLM"', '"Qwen3MoeForCausalLM"').replace(
+    "[model.config]", "[model.config]\nnum_experts = 4\nnum_experts_per_tok = 2\n"
+    "moe_intermediate_size = 32\nhead_dim = 16")
+EP_FSDP2 = "[plugins.ep]\nsize = 2\n[plugins.fsdp2]"
 
 
-def pipeline_file(tmp: Path, name: str, plugins: str, extra: str = "") -> Path:
+def pipeline_file(tmp: Path, name: str, plugins: str, extra: str = "", base: str = PIPELINE) -> Path:
     path = tmp / f"{name}.toml"
-    path.write_text(PIPELINE.format(ckpt=tmp / f"ckpt_{name}", plugins=plugins, extra=extra))
+    path.write_text(base.format(ckpt=tmp / f"ckpt_{name}", plugins=plugins, extra=extra))
     return path
 
 
@@ -76,10 +82,16 @@ def losses(metrics: Path) -> list[float]:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     ref = train(loads_pipeline(PIPELINE.format(ckpt=tmp / "ckpt_ref", plugins="", extra="")))
-    out = {"tmp": tmp, "ref": [r["loss"] for r in ref["rows"]]}
-    p4 = pipeline_file(tmp, "w4", FSDP2, extra=f'export_hf = "{tmp / "hf_w4"}"')
-    p2 = pipeline_file(tmp, "w2", FSDP2_AC)
-    for name, path, n in (("w4", p4, 4), ("w2", p2, 2)):
+    moe = train(loads_pipeline(MOE.format(ckpt=tmp / "ckpt_moe", plugins="", extra="")))
+    out = {"tmp": tmp, "ref": [r["loss"] for r in ref["rows"]],
+           "moe_ref": [r["loss"] for r in moe["rows"]]}
+    launches = (
+        ("w4", pipeline_file(tmp, "w4", FSDP2, extra=f'export_hf = "{tmp / "hf_w4"}"'), 4),
+        ("w2", pipeline_file(tmp, "w2", FSDP2_AC), 2),
+        ("w4pp", pipeline_file(tmp, "w4pp", PP_FSDP2), 4),
+        ("w2ep", pipeline_file(tmp, "w2ep", EP_FSDP2, base=MOE), 2),
+    )
+    for name, path, n in launches:
         done = shardgraph_train(path, "--nproc", n, "--metrics", tmp / f"{name}.jsonl")
         assert done.returncode == 0, done.stderr[-3000:]
         out[name] = losses(tmp / f"{name}.jsonl")
@@ -88,9 +100,9 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("world", ["w4", "w2"])
+@pytest.mark.parametrize("world", ["w4", "w2", "w4pp", "w2ep"])
 def test_loss_falls_and_matches_one_process(runs, world):
-    got, ref = runs[world], runs["ref"]
+    got, ref = runs[world], runs["moe_ref" if "ep" in world else "ref"]
     assert len(got) == 20
     for step in range(5):
         assert abs(got[step] - ref[step]) < 2e-5, (step, got[step], ref[step])

@@ -2,8 +2,8 @@
 
 Runs on every rank of an initialised process group (or in one process without any). It only
 talks to the plan through ``Plan.build_mesh``, ``Plan.apply`` and ``Plan.gradient_sync``, and
-to a pipelined model through its ``step`` (``Plan.train_step`` when present), so each new
-plugin works here without a change to this file.
+to the forward and backward through ``Plan.train_step`` (which runs a pipeline schedule
+under pp), so each new plugin works here without a change to this file.
 """
 
 from __future__ import annotations
@@ -97,18 +97,15 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    # Labels are the inputs: HF shifts them and averages over the tokens of the batch.
-    return model(input_ids=tokens, labels=tokens).loss
-
-
 def _causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    # Labels are the inputs shifted by one; the mean over every predicted token of the batch.
     return nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
 def _pipelined(model: nn.Module) -> bool:
-    return hasattr(model, "model_parts") and callable(getattr(model, "step", None))
+    """A pipelined model is not called like a module: ``Plan.train_step`` runs its schedule."""
+    return hasattr(model, "model_parts")
 
 
 class Reporter:
@@ -187,7 +184,6 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
     micro = t.micro_batch_size or local
     n_micro = local // micro
     pipelined = _pipelined(model)
-    train_step = getattr(plan, "train_step", None)
     seq_tokens = t.global_batch_size * pipeline.data.seq_len
     root = Path(pipeline.checkpoint.dir) if pipeline.checkpoint.dir else None
     meta = {"model": fingerprint(pipeline.model), "global_batch_size": t.global_batch_size,
@@ -203,20 +199,16 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         tokens = local_slice(stream.batch(position, t.global_batch_size), dp_rank, dp_size)
         tokens = tokens.to(ctx.device)
         if pipelined:
-            # The pipeline schedule splits the batch into its own microbatches.
-            if train_step is not None:
-                loss = train_step(model, tokens, tokens, _causal_lm_loss)
-            else:
-                loss = model.step(tokens, tokens, _causal_lm_loss)
-            holds_loss = loss is not None and bool(getattr(model, "has_last", True))
-            loss_value = loss.detach().float().reshape(()) if holds_loss else None
+            # The schedule cuts the batch into its own microbatches and returns the loss of
+            # the local batch on every rank of the pipeline.
+            loss_value = plan.train_step(model, tokens, _causal_lm_loss).float().reshape(())
         else:
-            loss_value, holds_loss = torch.zeros((), device=ctx.device), True
+            loss_value = torch.zeros((), device=ctx.device)
             for i, part in enumerate(tokens.split(micro)):
                 plan.gradient_sync(model, i == n_micro - 1)
-                loss = _loss_of(model, part) / n_micro
-                loss.backward()
-                loss_value += loss.detach().float()
+                loss = plan.train_step(model, part, lambda logits, target: _causal_lm_loss(
+                    logits, target) / n_micro)
+                loss_value += loss.float()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optimizer.step()
@@ -226,8 +218,7 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         if dev != "cpu":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - began
-        # under pp the loss lives on the last stage: average over the whole world instead
-        loss_value = _global_mean(loss_value, None if pipelined else loss_group, holds_loss)
+        loss_value = _global_mean(loss_value, loss_group)
         mem = _per_rank(peak_memory_bytes(), world, ctx.device)
         row = {"step": step + 1, "loss": loss_value, "tokens_per_s": seq_tokens / elapsed,
                "step_time_s": elapsed, "peak_mem_bytes": max(mem),
@@ -254,17 +245,17 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
     return {"rows": rows, "model": model, "optimizer": optimizer, "plan": plan, "ctx": ctx}
 
 
-def _global_mean(value: torch.Tensor, group, holds_loss: bool) -> float:
-    """The loss averaged over every rank that computed one.
+def _global_mean(value: torch.Tensor, group) -> float:
+    """The loss averaged over the data(-and-context)-parallel ranks.
 
     Every dp rank holds the same number of tokens, so the mean of their means is the mean over
-    the global batch. Under pp only the last stage computes a loss: the others add nothing.
+    the global batch (tp and pp ranks of one replica hold the same value).
     """
     if not dist.is_initialized():
         return value.item()
-    v = torch.stack([value.float() * holds_loss, torch.tensor(float(holds_loss), device=value.device)])
+    v = value.clone()
     dist.all_reduce(v, group=group)
-    return (v[0] / v[1]).item()
+    return v.item() / dist.get_world_size(group)
 
 
 def _per_rank(value: int, world: int, device: torch.device) -> list[int]:
