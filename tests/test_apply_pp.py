@@ -79,6 +79,7 @@ SCENARIOS = {
         4, 4, 1),
     "ac": (lambda: _pp(size=2).add("activation_checkpointing"), 4, 4, 1),
     "two_steps": (lambda: _pp(size=2, schedule="interleaved_1f1b"), 4, 4, 1),
+    "mp": (lambda: _pp(size=2).add("mixed_precision", output_dtype="bf16"), 4, 4, 1),
     # world 4
     "pp4_interleaved": (lambda: _pp(size=4, schedule="interleaved_1f1b"), 8, 4, 1),
     "pp2_fsdp2": (lambda: _pp(size=2).add("fsdp2"), 4, 8, 1),
@@ -104,6 +105,11 @@ def _scenario(name: str, world_size: int) -> dict:
         if exc.rule == "unavailable":
             return {"unavailable": str(exc)}
         raise
+    try:
+        model(tokens)
+        called = "no error"
+    except TypeError as exc:
+        called = str(exc)
     dp = ctx.mesh("dp")
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
     sent_dtypes = []
@@ -129,6 +135,7 @@ def _scenario(name: str, world_size: int) -> dict:
         "sent_dtypes": sorted(set(sent_dtypes)),
         "checkpointed": sorted(n for n, m in model.named_modules()
                                if "checkpoint" in (_get_registry(m) or {})),
+        "called": called,
         "fsdp_roots": [type(p).__name__.startswith("FSDP") for p in model.model_parts],
         # fully_shard keeps no post-forward mesh when it does not reshard after forward
         "resharded": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
@@ -145,7 +152,7 @@ def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
 
 WORLD2 = ["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule",
           "DualPipeV", "scaled_in_schedule", "microbatch_2", "layers_per_stage", "explicit", "ac",
-          "two_steps"]
+          "two_steps", "mp"]
 WORLD4 = ["pp4_interleaved", "pp2_fsdp2", "pp2_fsdp2_mp", "pp2_tp2"]
 
 
@@ -192,6 +199,7 @@ def test_unused_modules_are_removed_and_fqns_kept(world2):
     # each parameter lives on exactly one stage: memory is split, not duplicated
     assert first["local_bytes"] + last["local_bytes"] == first["full_bytes"]
     assert not set(first["names"]) & set(last["names"])
+    assert "use plan.train_step" in first["called"]
 
 
 @pytest.mark.parametrize("name", ["scaled_in_schedule", "microbatch_2", "layers_per_stage",
@@ -211,6 +219,12 @@ def test_activation_checkpointing_after_pp(world2):
     _matches(world2, "ac")
     assert [r["ac"]["checkpointed"] for r in world2] == [
         ["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"]]
+
+
+def test_mixed_precision_without_a_strategy_autocasts_every_stage(world2):
+    _matches(world2, "mp", loss_tol=1e-2, param_tol=1e-3)
+    assert all(r["mp"]["sent_dtypes"] == ["torch.bfloat16"] for r in world2)
+    assert all(r["1f1b"]["sent_dtypes"] == ["torch.float32"] for r in world2)
 
 
 def test_multi_stage_schedule_at_pp4(world4):

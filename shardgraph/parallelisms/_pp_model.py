@@ -67,6 +67,8 @@ class PipelinedModel(nn.Module):
         self._embeddings = embeddings  # FQNs of the input embedding and the LM head
         # Not registered as children: their modules are this module's children already.
         object.__setattr__(self, "model_parts", stages)
+        for part in stages:
+            object.__setattr__(part, "_owner", self)
         self.stage_ids = stage_ids
         self.n_stages = n_stages
         self.options = options
@@ -77,11 +79,14 @@ class PipelinedModel(nn.Module):
         self._loss_fn: Callable | None = None
         self._steps = 0
 
-    def forward(self, *args, **kwargs):
-        raise TypeError(
-            "a pipelined model runs its stages on several ranks and is not called like a module: "
-            "use plan.train_step(model, batch, loss_fn)"
-        )
+    def forward(self, x=None, *, pipeline_stage: int | None = None):
+        """Stage ``pipeline_stage`` of this rank on ``x`` (what the stage modules call)."""
+        if pipeline_stage is None or pipeline_stage not in self.stage_ids:
+            raise TypeError(
+                "a pipelined model runs its stages on several ranks and is not called like a "
+                "module: use plan.train_step(model, batch, loss_fn)"
+            )
+        return self.model_parts[self.stage_ids.index(pipeline_stage)].run(x)
 
     # -- what an HF model answers, for this rank's part (None where another rank holds it) --
     @property

@@ -277,6 +277,14 @@ class StageModule(nn.Module):
             self.add_module(name, module)
 
     def forward(self, x):
+        # Through the pipelined model's own call, so that what wraps its forward (the autocast
+        # of mixed precision without a strategy) wraps every stage too.
+        owner = self.__dict__.get("_owner")
+        if owner is not None:
+            return owner(x, pipeline_stage=self.spec.index)
+        return self.run(x)
+
+    def run(self, x):
         try:
             base = getattr(self, self._base_name) if self._base_name else self._base_call
             out = base(**{self._keyword: x}, use_cache=False)
