@@ -64,15 +64,17 @@ def _forward(
     # How many rows each peer sends me, per local expert: (ep, local_experts), peer-major.
     counts_in = torch.empty_like(counts)
     dist.all_to_all_single(counts_in, counts, group=mesh.get_group())
-    send_splits = counts.view(ep, local_experts).sum(1).tolist()
-    recv_splits = counts_in.view(ep, local_experts).sum(1).tolist()
+    # The split sizes must be Python ints: one host copy for all of them.
+    sending, receiving = torch.stack([counts, counts_in]).view(2, ep, local_experts).tolist()
+    send_splits = [sum(per_peer) for per_peer in sending]
+    recv_splits = [sum(per_peer) for per_peer in receiving]
+    rows_per_expert = [sum(per_expert) for per_expert in zip(*receiving)]
 
     sent = hidden_states[order // top_k]
     received = all_to_all_single_autograd(sent, recv_splits, send_splits, mesh)
     # Received rows come peer-major; the local experts want them expert-major.
     local_ids = torch.arange(local_experts, device=counts.device).repeat(ep)
     by_expert = torch.argsort(torch.repeat_interleave(local_ids, counts_in), stable=True)
-    rows_per_expert = counts_in.view(ep, local_experts).sum(0).tolist()
     computed = _run_local_experts(self, received[by_expert], rows_per_expert)
     computed = computed[_inverse(by_expert)]
 
