@@ -110,6 +110,11 @@ def _scenario(name: str, world_size: int) -> dict:
         called = "no error"
     except TypeError as exc:
         called = str(exc)
+    try:
+        plan.train_step(model, tokens[:1], lm_loss)  # 1 microbatch cannot fill the pipeline
+        too_small = "no error"
+    except PlanError as exc:
+        too_small = str(exc)
     dp = ctx.mesh("dp")
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
     sent_dtypes = []
@@ -135,7 +140,7 @@ def _scenario(name: str, world_size: int) -> dict:
         "sent_dtypes": sorted(set(sent_dtypes)),
         "checkpointed": sorted(n for n, m in model.named_modules()
                                if "checkpoint" in (_get_registry(m) or {})),
-        "called": called,
+        "called": called, "too_small": too_small,
         "fsdp_roots": [type(p).__name__.startswith("FSDP") for p in model.model_parts],
         # fully_shard keeps no post-forward mesh when it does not reshard after forward
         "resharded": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
@@ -200,6 +205,9 @@ def test_unused_modules_are_removed_and_fqns_kept(world2):
     assert first["local_bytes"] + last["local_bytes"] == first["full_bytes"]
     assert not set(first["names"]) & set(last["names"])
     assert "use plan.train_step" in first["called"]
+    # checked again at every step, against the batch it gets, before the schedule runs
+    assert all("1 microbatches cannot fill 2 pipeline stages" in r["1f1b"]["too_small"]
+               for r in world2)
 
 
 @pytest.mark.parametrize("name", ["scaled_in_schedule", "microbatch_2", "layers_per_stage",
@@ -312,6 +320,9 @@ def _snapshot(model):
      r"makes 3 stages of 3 layers, but pp = 2 needs a multiple of 2"),
     (lambda: tiny_llama(layers=2), {"size": 2, "stages": [["model.embed_tokens"], ["lm_head"]]},
      r"must hold the layers model.layers.0 .. 1"),
+    (lambda: tiny_llama(layers=2), {"size": 2, "stages": [
+        ["model.embed_tokens", "model.layers.0"], ["model.layers.1", "lm_head"]]},
+     r"'model.norm' has parameters but is on no stage"),
 ])
 def test_model_rejections_leave_the_model_untouched(build, opts, match):
     model = build()

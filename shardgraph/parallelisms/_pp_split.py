@@ -228,6 +228,16 @@ def _explicit_violations(model, plan: PipelinePlan, stages) -> list[Violation]:
                     f"{name!r} is on stage {seen[name]} and stage {s}",
                     hint="give each module to one stage", plugin="pp"))
             seen[name] = s
+    named = {n for names in stages for n in names}
+    prefix, base = _base(model)
+    for child, module in base.named_children():
+        fqn = _join(prefix, child)
+        if fqn != plan.layers and fqn not in named and any(True for _ in module.parameters()):
+            # it would run, with its own copy of the weights, on every stage
+            bad.append(Violation(
+                "model", ("plugins.pp.stages",),
+                f"{fqn!r} has parameters but is on no stage",
+                hint=f"put {fqn!r} on the stage whose computation it belongs to", plugin="pp"))
     layers = [int(n[len(plan.layers) + 1:]) for names in stages for n in names
               if n.startswith(plan.layers + ".") and n[len(plan.layers) + 1:].isdigit()]
     if sorted(layers) != list(range(plan.n_layers)) or layers != sorted(layers):
