@@ -69,9 +69,8 @@ def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
         origin = {glob: f"plugins.tp.plan[{glob!r}]" for glob in plan}
     else:
         plan, origin = styles.model_plan(model)
-    bad: list[Violation] = []
     if not plan:
-        bad.append(Violation(
+        return _Resolved({}, [Violation(
             "tp-plan", ("plugins.tp.plan",),
             f"{type(model).__name__} has no TP plan (no config.base_model_tp_plan, no "
             "_tp_plan) and none was given",
@@ -79,69 +78,67 @@ def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
             "\"layers.*.attn.out_proj\" = \"rowwise\", ... } (in Python: "
             "Graph().add('tp', size=..., plan={...})); or remove tp",
             plugin="tp",
-        ))
-        return _Resolved({}, bad, None)
-    for glob, style in plan.items():
-        if style not in styles.STYLES:
-            bad.append(Violation(
-                "tp-style", (origin[glob],),
-                f"unknown TP style {style!r}{did_you_mean(style, STYLES)}",
-                hint=choices_hint(style, STYLES) + "; or give plugins.tp.plan",
-            ))
+        )], None)
+    bad = [
+        Violation("tp-style", (origin[glob],),
+                  f"unknown TP style {style!r}{did_you_mean(style, STYLES)}",
+                  hint=choices_hint(style, STYLES) + "; or give plugins.tp.plan")
+        for glob, style in plan.items() if style not in styles.STYLES
+    ]
     matched, unmatched, twice = styles.expand(plan, model)
     modules = dict(model.named_modules())
+    # A transformers plan may name modules some variants lack (transformers skips them too);
+    # a user's glob that matches nothing is a mistake.
     if options.plan is not None:
-        names = [n for n in modules if n]
-        for glob in unmatched:
-            close = did_you_mean(glob, names)
-            bad.append(Violation(
-                "tp-unmatched", (origin[glob],),
-                f"{glob!r} matches no module of {type(model).__name__}{close}",
-                hint="globs match FQNs token by token ('layers.*.mlp.up_proj'); list them with "
-                "[n for n, _ in model.named_modules()]",
-            ))
-    # A transformers plan may name modules a variant lacks; transformers skips those too.
-    for fqn, globs in twice.items():
-        bad.append(Violation(
-            "tp-ambiguous", tuple(origin[g] for g in globs),
-            f"module {fqn!r} is matched by {len(globs)} plan entries",
-            hint="make the globs disjoint",
-        ))
+        bad += [Violation(
+            "tp-unmatched", (origin[glob],),
+            f"{glob!r} matches no module of {type(model).__name__}"
+            f"{did_you_mean(glob, [n for n in modules if n])}",
+            hint="globs match FQNs token by token ('layers.*.mlp.up_proj'); list them with "
+            "[n for n, _ in model.named_modules()]",
+        ) for glob in unmatched]
+    bad += [Violation("tp-ambiguous", tuple(origin[g] for g in globs),
+                      f"module {fqn!r} is matched by {len(globs)} plan entries",
+                      hint="make the globs disjoint")
+            for fqn, globs in twice.items()]
     config = getattr(model, "config", None)
     for fqn, style in matched.items():
-        spec = styles.STYLES.get(style)
-        if spec is None:
-            continue
-        module = modules[fqn]
         key = origin[next(g for g in plan if styles.glob_matches(g, fqn))]
-        if spec.modules is not None and not isinstance(module, spec.modules):
-            kinds = " or ".join(m.__name__ for m in spec.modules)
-            bad.append(Violation(
-                "tp-style", (key,),
-                f"{fqn} is a {type(module).__name__}; style {style!r} shards an nn.{kinds}",
-                hint="choose a style for this module type, or a narrower glob",
-            ))
-            continue
-        if style == "replicated_with_grad_allreduce" and not any(True for _ in module.parameters()):
-            bad.append(Violation("tp-style", (key,), f"{fqn} has no parameters to replicate",
-                                 hint="remove the entry"))
-        attr = next((a for t, a in spec.shards.items() if isinstance(module, t)), None)
-        if attr is not None:
-            size = getattr(module, attr)
-            if size % (tp * spec.packed):
-                what = f"{tp}" if spec.packed == 1 else f"{spec.packed} * tp = {spec.packed * tp}"
-                bad.append(Violation(
-                    "tp-divisible", (key, *_config_keys(config, size)),
-                    f"{fqn}.{attr} = {size} is not divisible by {what}",
-                    hint=f"choose tp among the divisors of {size // spec.packed}, or leave "
-                    f"{fqn} out of the plan",
-                ))
+        bad += _module_problems(fqn, modules[fqn], style, key, tp, config)
     if any(_is_attention(fqn) for fqn in matched):
         bad += _head_counts(config, tp)
+    bad += _tied(model, matched)
     head = styles.output_embeddings(model)
     head_fqn = next((n for n, m in modules.items() if m is head and n), None) if head else None
-    bad += _tied(model, matched)
     return _Resolved(matched, bad, head_fqn)
+
+
+def _module_problems(fqn, module, style, key, tp, config) -> list[Violation]:
+    """The style fits the module, and tp divides the dimension it splits."""
+    spec = styles.STYLES.get(style)
+    if spec is None:
+        return []
+    if spec.modules is not None and not isinstance(module, spec.modules):
+        kinds = " or ".join(m.__name__ for m in spec.modules)
+        return [Violation(
+            "tp-style", (key,),
+            f"{fqn} is a {type(module).__name__}; style {style!r} shards an nn.{kinds}",
+            hint="choose a style for this module type, or a narrower glob",
+        )]
+    if style == "replicated_with_grad_allreduce" and not any(True for _ in module.parameters()):
+        return [Violation("tp-style", (key,), f"{fqn} has no parameters to replicate",
+                          hint="remove the entry")]
+    attr = next((a for t, a in spec.shards.items() if isinstance(module, t)), None)
+    size = getattr(module, attr) if attr else 0
+    if size % (tp * spec.packed) == 0:
+        return []
+    what = f"{tp}" if spec.packed == 1 else f"{spec.packed} * tp = {spec.packed * tp}"
+    return [Violation(
+        "tp-divisible", (key, *_config_keys(config, size)),
+        f"{fqn}.{attr} = {size} is not divisible by {what}",
+        hint=f"choose tp among the divisors of {size // spec.packed}, or leave {fqn} out of "
+        "the plan",
+    )]
 
 
 def _is_attention(fqn: str) -> bool:
