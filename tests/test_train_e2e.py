@@ -1,8 +1,8 @@
 """``shardgraph train`` end to end under real torchrun launches (gloo, CPU).
 
 One pipeline (tiny Llama, SGD with momentum, lr 0.05, 20 steps, checkpoints every 5) trained:
-in this process (world 1, the reference), by ``shardgraph train --nproc 4`` under fsdp2 and
-under pp 2 x fsdp2 (1F1B, 4 microbatches), and by ``--nproc 2`` under fsdp2 + activation
+in this process (world 1, the reference), by ``shardgraph train --nproc 4`` under fsdp2,
+under tp 2 x sp x fsdp2 and under pp 2 x fsdp2 (1F1B, 4 microbatches), and by ``--nproc 2`` under fsdp2 + activation
 checkpointing; its MoE twin (Qwen3-MoE, 4 experts) in this process and under ep 2 x fsdp2. Tolerance against the reference: loss
 2e-5 absolute over the first 5 steps (measured ~1e-6: FSDP averages gradients in another
 order). Then a run killed inside a checkpoint save, its resume, and the checkpoint of the
@@ -55,6 +55,7 @@ keep = 10
 """
 FSDP2 = "[plugins.fsdp2]"
 FSDP2_AC = "[plugins.fsdp2]\n[plugins.activation_checkpointing]"
+TP_FSDP2 = "[plugins.tp]\nsize = 2\n[plugins.sp]\n[plugins.fsdp2]"
 PP_FSDP2 = "[plugins.pp]\nsize = 2\nmicrobatch_size = 2\n[plugins.fsdp2]"
 MOE = PIPELINE.replace('"LlamaForCausalLM"', '"Qwen3MoeForCausalLM"').replace(
     "[model.config]", "[model.config]\nnum_experts = 4\nnum_experts_per_tok = 2\n"
@@ -88,6 +89,7 @@ def runs(tmp_path_factory):
     launches = (
         ("w4", pipeline_file(tmp, "w4", FSDP2, extra=f'export_hf = "{tmp / "hf_w4"}"'), 4),
         ("w2", pipeline_file(tmp, "w2", FSDP2_AC), 2),
+        ("w4tp", pipeline_file(tmp, "w4tp", TP_FSDP2), 4),
         ("w4pp", pipeline_file(tmp, "w4pp", PP_FSDP2), 4),
         ("w2ep", pipeline_file(tmp, "w2ep", EP_FSDP2, base=MOE), 2),
     )
@@ -100,7 +102,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("world", ["w4", "w2", "w4pp", "w2ep"])
+@pytest.mark.parametrize("world", ["w4", "w2", "w4tp", "w4pp", "w2ep"])
 def test_loss_falls_and_matches_one_process(runs, world):
     got, ref = runs[world], runs["moe_ref" if "ep" in world else "ref"]
     assert len(got) == 20
@@ -160,9 +162,10 @@ def test_checkpoint_reshards_bit_identically(runs):
     want = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest()
             for k, v in exported.items()}
     text = PIPELINE.format(ckpt=tmp / "unused", extra="", plugins="{plugins}")
-    # fsdp2 world 4 -> fsdp2 world 2 and ddp world 2 (one process group) -> one process
-    results = _dist.run(_load_under, 2, text, str(saved), [FSDP2, "[plugins.ddp]"], timeout=180)
-    for plugins in (FSDP2, "[plugins.ddp]"):
+    # fsdp2 world 4 -> fsdp2, tp 2 and ddp at world 2 (one process group) -> one process
+    others = [FSDP2, "[plugins.tp]\nsize = 2", "[plugins.ddp]"]
+    results = _dist.run(_load_under, 2, text, str(saved), others, timeout=180)
+    for plugins in others:
         got = results[0][plugins]
         assert {k: got[k] for k in want} == want, plugins
     from shardgraph.cli import main

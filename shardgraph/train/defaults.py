@@ -4,8 +4,8 @@ DEFAULT_NPROC = 4
 
 DEFAULT_PIPELINE = """\
 # shardgraph's default run: a tiny Llama trained for 50 steps on 4 processes, about a minute on
-# 2 CPU cores. FSDP2 shards every block over the 4 ranks; activation checkpointing recomputes
-# the blocks in backward.
+# 2 CPU cores. Tensor (and sequence) parallel inside pairs of ranks, FSDP2 across the pairs;
+# activation checkpointing recomputes the blocks in backward.
 [model]
 architecture = "LlamaForCausalLM"
 [model.config]
@@ -28,5 +28,8 @@ seed = 0
 log_every = 5
 
 [plugins.fsdp2]
+[plugins.tp]
+size = 2
+[plugins.sp]
 [plugins.activation_checkpointing]
 """

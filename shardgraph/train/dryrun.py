@@ -101,8 +101,13 @@ def _collectives(model: nn.Module, pipeline: Pipeline, plan, ctx) -> list[dict[s
     if units:
         gather = scatter = 0
         gathers = scatters = 0
+        unit_ids = {id(u) for u in units}
+        inside: set[int] = set()  # units nested in another unit (not roots)
         for u in units:
-            own = [p for p in u.parameters() if id(p) not in _nested(u, units)]
+            inside |= {id(m) for m in u.modules() if m is not u and id(m) in unit_ids}
+        for u in units:
+            nested = _nested(u, unit_ids)
+            own = [p for p in u.parameters() if id(p) not in nested]
             if not own:
                 continue
             state = u._get_fsdp_state()._fsdp_param_group
@@ -111,8 +116,8 @@ def _collectives(model: nn.Module, pipeline: Pipeline, plan, ctx) -> list[dict[s
             p_dtype, r_dtype = mp.param_dtype, mp.reduce_dtype or mp.param_dtype
             g = sum(_local(p).numel() * group_size * (p_dtype or p.dtype).itemsize for p in own)
             r = sum(_local(p).numel() * group_size * (r_dtype or p.dtype).itemsize for p in own)
-            root = u is model or not any(u is not v and u in list(v.modules()) for v in units)
-            again = state.post_forward_mesh_info is not None and not root
+            # a root is not resharded after forward: one all-gather serves its backward too
+            again = state.post_forward_mesh_info is not None and id(u) in inside
             gathers += n_micro * (2 if again else 1)
             gather += g * n_micro * (2 if again else 1)
             scatters += 1
@@ -159,11 +164,11 @@ def _collectives(model: nn.Module, pipeline: Pipeline, plan, ctx) -> list[dict[s
     return rows
 
 
-def _nested(unit: nn.Module, units: list[nn.Module]) -> set[int]:
+def _nested(unit: nn.Module, unit_ids: set[int]) -> set[int]:
     """Parameters of the FSDP units inside ``unit`` (each unit gathers only its own)."""
     out: set[int] = set()
     for m in unit.modules():
-        if m is not unit and m in units:
+        if m is not unit and id(m) in unit_ids:
             out |= {id(p) for p in m.parameters()}
     return out
 

@@ -1,0 +1,94 @@
+"""``shardgraph dryrun``: a Llama-3-70B-shaped model at world 1024 on a fake process group,
+checked against per-rank sizes computed here from the shapes alone."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from shardgraph import PlanError
+from shardgraph.cli import main
+from shardgraph.train.config import loads_pipeline
+from shardgraph.train.dryrun import dryrun
+
+V, H, I, L, HEADS, KV = 128256, 8192, 28672, 80, 64, 8
+LLAMA_70B = f"""
+[model]
+architecture = "LlamaForCausalLM"
+[model.config]
+vocab_size = {V}
+hidden_size = {H}
+intermediate_size = {I}
+num_hidden_layers = {L}
+num_attention_heads = {HEADS}
+num_key_value_heads = {KV}
+tie_word_embeddings = false
+[data]
+seq_len = 8192
+[train]
+global_batch_size = 1024
+optimizer = "adamw"
+[plugins.fsdp2]
+"""
+
+
+def shapes() -> list[tuple[int, int]]:
+    """(dim 0, the rest) of every parameter of Llama-3-70B, from its published shapes."""
+    kv = KV * (H // HEADS)
+    block = [(H, H), (kv, H), (kv, H), (H, H), (I, H), (I, H), (H, I), (H, 1), (H, 1)]
+    return [(V, H)] + block * L + [(H, 1), (V, H)]
+
+
+def fsdp2_rows(dim0: int, world: int, rank: int) -> int:
+    """Rows of a dim-0 shard: torch.chunk's split, ceil(dim0 / world) rows per rank."""
+    chunk = math.ceil(dim0 / world)
+    return max(0, min(chunk, dim0 - rank * chunk))
+
+
+def test_70b_at_world_1024_matches_the_analytic_sizes():
+    full = sum(a * b for a, b in shapes())
+    assert full == 70_553_706_496  # Llama-3-70B
+    pipeline = loads_pipeline(LLAMA_70B)
+    ratios = {}
+    for rank in (0, 1023):
+        report = dryrun(pipeline, world_size=1024, rank=rank)
+        ratios[rank] = report["ratio_to_ideal"]
+        local = sum(fsdp2_rows(a, 1024, rank) * b for a, b in shapes())
+        assert report["full_parameters"] == full
+        assert report["local_parameters"] == local, rank
+        assert report["bytes"] == {"parameters": 4 * local, "gradients": 4 * local,
+                                   "optimizer": 8 * local}  # fp32, AdamW's two moments
+        assert report["ideal_bytes"]["parameters"] == 4 * full / 1024
+        ops = {(c["op"], c["group"]): c for c in report["collectives"]}
+        # one all-gather per block in forward and again in backward, once for the root
+        assert ops["all_gather", "dp_shard_cp"]["count"] == 2 * L + 1
+        assert ops["reduce_scatter", "dp_shard_cp"]["count"] == L + 1
+    # rank 0 holds a full chunk of each vocabulary matrix: ceil(128256 / 1024) = 126 rows
+    assert math.isclose(ratios[0], sum(fsdp2_rows(a, 1024, 0) * b for a, b in shapes())
+                        * 1024 / full)
+    assert ratios[1023] < 1 < ratios[0]
+
+
+def test_tp_pp_fsdp2_at_1024_is_close_to_ideal():
+    text = LLAMA_70B + "[plugins.tp]\nsize = 8\n[plugins.pp]\nsize = 4\n"
+    report = dryrun(loads_pipeline(text), world_size=1024, rank=5)
+    assert report["steps"][:2] == ["pp", "tp"] and report["ideal_split"] == 1024
+    assert 1.0 <= report["ratio_to_ideal"] < 1.05
+    groups = {c["group"] for c in report["collectives"]}
+    assert {"dp_shard_cp", "tp", "pp"} <= groups
+
+
+def test_cli_dryrun(tmp_path, capsys):
+    path = tmp_path / "p.toml"
+    path.write_text("[train]\nglobal_batch_size = 8\n[plugins.fsdp2]\n")
+    assert main(["dryrun", str(path), "--world-size", "8", "--rank", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rank"] == 3 and report["ratio_to_ideal"] >= 1.0
+    assert main(["dryrun", str(path), "--world-size", "8"]) == 0
+    assert "collectives per optimizer step" in capsys.readouterr().out
+    assert main(["dryrun", str(path), "--world-size", "8", "--rank", "8"]) == 2
+    assert main(["dryrun", str(path), "--world-size", "3"]) == 2  # 8 sequences over 3 ranks
+    with pytest.raises(PlanError):
+        dryrun(loads_pipeline("[plugins.tp]\nsize = 3\n"), world_size=4)
