@@ -10,11 +10,11 @@ from shardgraph import Graph, Plan, PlanError, loads_toml
 
 INTENTS = [
     (
-        Graph().add("tp", size=2).add("sp").add("fsdp2", reshard_after_forward=True)
+        Graph().add("tp", size=2).add("sp").add("fsdp2", cpu_offload=False)
         .add("pp", size=2, schedule="interleaved_1f1b", microbatch_size=1),
         """
 [plugins.fsdp2]
-reshard_after_forward = true
+cpu_offload = false
 [plugins.tp]
 size = 2
 [plugins.sp]

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from ..core.axes import DENSE_AXES, Axis
+from ..core.axes import Axis
 from ..core.errors import PlanError, Violation
 from ..core.layout import MeshLayout, Settings
 from ..core.options import structure_options
@@ -78,6 +78,11 @@ def compile_graph(
         raise PlanError(bad)
     resolved = _activate(resolved, layout, bad)
     active = [r for r in resolved if r.active]
+    # The mesh is the one the running strategy declares (ddp: (dp,)), else the dense one.
+    own_mesh = [r.plugin.mesh_axes for r in active
+                if r.plugin.kind is Kind.STRATEGY and r.plugin.mesh_axes]
+    if len(own_mesh) == 1:
+        layout = attrs.evolve(layout, mesh_axes=own_mesh[0])
     _check_capabilities(active, resolved, layout, bad)
     for r in active:
         if r.plugin.check is not None:
@@ -224,11 +229,9 @@ def _derive_layout(graph, resolved, world_size, gpus_per_node, bad) -> MeshLayou
             ))
     if bad:
         return None
-    strategies = [r for r in resolved if r.plugin.kind is Kind.STRATEGY and r.plugin.mesh_axes]
     return MeshLayout(
         world_size=world_size, gpus_per_node=gpus_per_node, pp=pp, dp_replicate=replicate,
         dp_shard=dp // replicate, cp=cp, tp=tp, ep=ep,
-        mesh_axes=strategies[0].plugin.mesh_axes if len(strategies) == 1 else DENSE_AXES,
     )
 
 
@@ -255,14 +258,14 @@ def _activate(resolved, layout: MeshLayout, bad) -> list[_Resolved]:
 
 
 def _check_capabilities(active: list[_Resolved], resolved, layout: MeshLayout, bad) -> None:
-    strategies = [r for r in active if r.plugin.kind is Kind.STRATEGY]
+    strategies = [r for r in resolved if r.plugin.kind is Kind.STRATEGY]
     if len(strategies) > 1:
         bad.append(Violation(
             "one-strategy", tuple(r.entry.path for r in strategies),
             f"more than one data-parallel strategy: {[r.plugin.name for r in strategies]}",
             hint="keep exactly one",
         ))
-    if not strategies and layout.degree(Axis.DP) > 1:
+    if not strategies and layout.degree(Axis.DP) > 1:  # an idle strategy is fine at dp = 1
         bad.append(Violation(
             "needs-strategy", ("world_size",),
             f"{layout.dp * layout.cp} ranks hold the same parameters (dp = {layout.dp}, "

@@ -25,8 +25,8 @@ from ..plugins import Kind, Plugin
 @attrs.frozen
 class FSDP2Options:
     #: free unsharded parameters after forward (ZeRO-3); False keeps them (ZeRO-2-like).
-    #: Off under pp whatever it says: each microbatch's backward would all-gather them again
-    reshard_after_forward: bool = True
+    #: Unset: on, but off under pp, where each microbatch's backward would gather them again
+    reshard_after_forward: bool | None = None
     #: reduce gradients only on the last micro-batch (``Plan.gradient_sync``)
     defer_fsdp_grad_sync: bool = True
     #: keep sharded parameters, gradients and optimizer state on the CPU
@@ -51,7 +51,9 @@ def _apply(model: nn.Module, options: FSDP2Options, ctx: MeshContext, inputs: di
         param_dtype=root_policy.param_dtype, reduce_dtype=root_policy.reduce_dtype,
         cast_forward_inputs=root_policy.cast_forward_inputs,
     )
-    reshard = options.reshard_after_forward and ctx.layout.pp == 1
+    reshard = options.reshard_after_forward
+    if reshard is None:
+        reshard = ctx.layout.pp == 1
     common = dict(mesh=ctx.fsdp_mesh, reshard_after_forward=reshard, offload_policy=offload)
     for _, block in find_blocks(model, options.blocks):
         fully_shard(block, mp_policy=block_policy, **common)
