@@ -113,7 +113,14 @@ def _scenario(name: str, world_size: int) -> dict:
         dtypes.append(hidden.dtype)
 
     moe.experts.register_forward_pre_hook(record)
+    # Before any forward: the experts' unit keeps its parameters unsharded after one
+    # (reshard_after_forward = false), and model.parameters() would then list those.
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    if name == "ep2_ac_keep_router":
+        # A forward with grad enabled that is never backpropagated: what it kept must not be
+        # taken for the training step's.
+        model(input_ids=slices[(dp + 1) % len(slices)])
+        stale = len(moe.gate._ep_kept)
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     with _count_router_runs(Qwen3MoeTopKRouter) as runs:
@@ -141,6 +148,7 @@ def _scenario(name: str, world_size: int) -> dict:
         "expert_input_dtype": str(dtypes[0]),
         "router_runs": len(runs),
         "router_kept_after_step": len(getattr(moe.gate, "_ep_kept", ())),
+        "router_kept_stale": stale if name == "ep2_ac_keep_router" else None,
         "checkpointed": "checkpoint" in (_get_registry(model.model.layers[0]) or {}),
         "expert_class": type(moe.experts).__name__,
         "steps": [s.plugin for s in plan.steps],
@@ -237,7 +245,8 @@ def test_activation_checkpointing_recomputes_or_keeps_the_router(world2):
         assert r["ep2_ac"]["checkpointed"] and r["ep2_ac_keep_router"]["checkpointed"]
         assert r["ep2_ac"]["router_runs"] == 2 * LAYERS  # forward, then recomputed in backward
         assert r["ep2_ac_keep_router"]["router_runs"] == LAYERS  # its outputs were kept
-        assert r["ep2_ac_keep_router"]["router_kept_after_step"] == 0  # and released
+        assert r["ep2_ac_keep_router"]["router_kept_stale"] == 1
+        assert r["ep2_ac_keep_router"]["router_kept_after_step"] == 0  # released, stale too
         assert r["ep2_ac"]["steps"] == ["ep", "activation_checkpointing", "fsdp2"]
 
 

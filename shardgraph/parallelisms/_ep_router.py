@@ -5,7 +5,8 @@ forward did (low precision, non-deterministic kernels), so the recomputed all-to
 other tokens than the saved activations expect. NeMo's answer is a selective-checkpointing
 policy that saves the router matmul. Here the router itself opts out of the checkpoint: its
 tensors are saved as in a plain forward (an inner ``saved_tensors_hooks`` that keeps them), its
-outputs are held until the checkpoint recomputes the block, and the recomputation reuses them.
+outputs are held until the checkpoint recomputes the block, and the recomputation reuses them
+(found by the router's input, which equals the forward's).
 The inner hooks also keep the checkpoint's count of saved tensors the same in forward and
 recompute, so nothing else in the block changes.
 
@@ -58,15 +59,29 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _kept_forward(self: nn.Module, forward, *args, **kwargs):
+def _kept_forward(self: nn.Module, forward, inputs: torch.Tensor, *args, **kwargs):
     state = _ac_state(self._ep_ancestors)
     if state is None or not torch.is_grad_enabled():
-        return forward(self, *args, **kwargs)
-    if not state.enable_hook and self._ep_kept:
+        return forward(self, inputs, *args, **kwargs)
+    if not state.enable_hook:
         # The checkpoint is recomputing the block in backward: reuse the forward's outputs.
-        return self._ep_kept.popleft()
+        kept = _take(self._ep_kept, inputs)
+        if kept is not None:
+            return kept
     with saved_tensors_hooks(_identity, _identity):
-        out = forward(self, *args, **kwargs)
+        out = forward(self, inputs, *args, **kwargs)
     if state.enable_hook:
-        self._ep_kept.append(out)
+        # The router saved its input for its own backward: keeping it costs no memory.
+        self._ep_kept.append((inputs, out))
     return out
+
+
+def _take(kept: collections.deque, inputs: torch.Tensor):
+    """The outputs kept for these router inputs. Entries before the match are forwards that were
+    never backpropagated (run with grad enabled, then dropped): they go. Without a match (say, a
+    schedule that runs backward out of order) the router is simply recomputed."""
+    while kept:
+        kept_inputs, outputs = kept.popleft()
+        if kept_inputs.shape == inputs.shape and torch.equal(kept_inputs, inputs):
+            return outputs
+    return None
