@@ -7,6 +7,10 @@ and the tokens travel to them with all-to-all (``_ep_dispatch``). The experts th
 own ``fully_shard`` unit over ``ep_shard`` (as in torchtitan) before the data-parallel strategy
 wraps the blocks around them; router, attention and shared experts stay dense and are left to
 that strategy.
+
+Not yet: the strategy's cpu_offload does not reach the experts' unit (ep cannot see fsdp2's
+options); ``wrap_outer_model`` is accepted but fsdp2 wraps no extra outer unit; pp and cp are
+untested with ep (under cp each rank's load-balancing loss covers its own sequence chunk only).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ class EPOptions:
     #: reshard expert parameters after forward (their fully_shard unit over ep_shard)
     reshard_after_forward: bool = False
     #: activation checkpointing keeps the router's outputs instead of recomputing them
+    #: (no effect without the activation_checkpointing plugin)
     ignore_router_for_ac: bool = False
-    #: fsdp2 also wraps the outer model (embeddings, head) as its own unit
+    #: fsdp2 also wraps the outer model (embeddings, head) as its own unit (NOT honoured yet)
     wrap_outer_model: bool = True
 
 
