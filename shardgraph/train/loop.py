@@ -179,7 +179,8 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
     if ctx.device_mesh is not None:
         dp = ctx.mesh("dp")
         dp_size, dp_rank = dp.size(), dp.get_local_rank()
-        loss_group = ctx.mesh("dp_cp").get_group()
+        # context-parallel ranks hold parts of the same sequences: average over them too
+        loss_group = (ctx.mesh("dp_cp") if ctx.cp_size > 1 else dp).get_group()
     local = t.global_batch_size // dp_size
     micro = t.micro_batch_size or local
     n_micro = local // micro
