@@ -8,6 +8,7 @@ under pp), so each new plugin works here without a change to this file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..core.errors import PlanError, Violation
 from ..graphs.plan import Plan
@@ -101,6 +103,16 @@ def _causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     # Labels are the inputs shifted by one; the mean over every predicted token of the batch.
     return nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _loss_context(plan: Plan):
+    """``loss_parallel()`` when a step keeps the logits sharded over the vocabulary (an option
+    named ``loss_parallel``, whichever plugin declares it): forward and backward run inside."""
+    if any(getattr(s.options, "loss_parallel", False) for s in plan.steps):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def _pipelined(model: nn.Module) -> bool:
@@ -207,8 +219,11 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
             loss_value = torch.zeros((), device=ctx.device)
             for i, part in enumerate(tokens.split(micro)):
                 plan.gradient_sync(model, i == n_micro - 1)
-                loss = plan.train_step(model, part, lambda logits, target: _causal_lm_loss(
-                    logits, target) / n_micro)
+                with _loss_context(plan):
+                    loss = plan.train_step(model, part, lambda logits, target: _causal_lm_loss(
+                        logits, target) / n_micro)
+                if isinstance(loss, DTensor):  # a vocabulary-parallel loss is replicated
+                    loss = loss.full_tensor()
                 loss_value += loss.float()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
