@@ -110,10 +110,26 @@ def test_cli_bad_input_exits_before_launching(tmp_path, capsys):
     assert main(["train", two, "--nproc", "4"]) == 2
     assert "mesh.world_size" in capsys.readouterr().err
     odd = _write(tmp_path, DEFAULT_PIPELINE)
-    assert main(["train", odd, "--nproc", "3"]) == 2  # 8 sequences over 3 ranks
+    assert main(["train", odd, "--nproc", "3"]) == 2  # tp = 2 does not divide 3
+    assert "--nproc, plugins.tp.size" in capsys.readouterr().err
+    assert main(["train", odd, "--nproc", "6"]) == 2  # 8 sequences over dp = 3
     assert "train.global_batch_size" in capsys.readouterr().err
     missing = _write(tmp_path, DEFAULT_PIPELINE.replace("[data]", "[data]\npath = \"nope.bin\""))
     assert main(["train", missing]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["train", str(tmp_path / "absent.toml")]) == 2
     assert main(["train", odd, "--steps", "0"]) == 2
+
+
+def test_model_from_a_local_hf_directory(tmp_path):
+    import torch
+
+    from shardgraph.train.model import build_model
+
+    saved = build_model(loads_pipeline(GOOD).model, seed=5)
+    saved.save_pretrained(str(tmp_path / "hf"))
+    p = loads_pipeline(f"[model]\npath = \"{tmp_path / 'hf'}\"")
+    loaded = build_model(p.model, seed=0)  # the directory's weights, not the seed's
+    assert type(loaded).__name__ == "Qwen2ForCausalLM"
+    want = saved.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())

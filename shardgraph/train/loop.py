@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -45,6 +46,8 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
             f"not {world_size} processes", hint=f"run with --nproc {graph.world_size}, or "
             "change/remove mesh.world_size"))
         raise PlanError(bad)
+    if nproc_key != "world_size":  # errors name the option the user gave
+        graph = attrs.evolve(graph, keys={**graph.keys, "world_size": nproc_key})
     plan = graph.compile(world_size=world_size)
     dp, train = plan.layout.dp, pipeline.train
     if train.global_batch_size % dp:
@@ -176,6 +179,11 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
 
     start = 0
     report = Reporter(total, metrics, t.log_every, rank)
+    n_params = sum(p.numel() for p in build_model(pipeline.model, t.seed, "meta").parameters())
+    report.info(f"{pipeline.source}: {type(model).__name__.removeprefix('FSDP')} "
+                f"{n_params:,} parameters, {world} process{'es' if world > 1 else ''} ({dev}), "
+                f"plan: {' -> '.join(s.plugin for s in plan.steps) or 'none'}, "
+                f"mesh {plan.layout.sizes()}")
     if resume is not None:
         ckpt.load(resume, model, optimizer)
         saved = ckpt.read_meta(resume)
