@@ -25,7 +25,7 @@ def test_toml_forms_compile_to_the_same_plan():
     forms = [t for t in _blocks("toml") if "[plugins." in t or "[distributed]" in t]
     plans = [loads_toml(t).compile(world_size=8) for t in forms if "entry-points" not in t]
     assert len(plans) == 2 and plans[0] == plans[1]
-    python = Graph().add("tp", size=2).add("sp").add("fsdp2", reshard_after_forward=True).add(
+    python = Graph().add("tp", size=2).add("sp").add("fsdp2", cpu_offload=False).add(
         "pp", size=2, schedule="interleaved_1f1b", microbatch_size=1).compile(world_size=8)
     assert plans[0] == python
 
