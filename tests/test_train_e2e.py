@@ -191,6 +191,11 @@ def test_bad_checkpoints_are_refused_and_kept(runs, tmp_path, capsys):
     never.write_text((tmp / "w4.toml").read_text().replace("keep = 10", "keep = 10\nresume = \"never\""))
     assert main(["train", str(never), "--nproc", "4"]) == 2
     assert "overwrite" in capsys.readouterr().err
+    batch = tmp_path / "batch.toml"
+    batch.write_text((tmp / "w4.toml").read_text().replace("global_batch_size = 8",
+                                                           "global_batch_size = 16"))
+    assert main(["train", str(batch), "--nproc", "4"]) == 2
+    assert "global_batch_size = 8" in capsys.readouterr().err
     broken = tmp_path / "step_00000007"
     broken.mkdir()
     (broken / ".metadata").write_text("garbage")

@@ -84,6 +84,12 @@ def resume_point(pipeline: Pipeline) -> Path | None:
         return None
     meta = ckpt.read_meta(path)
     ckpt.check_compatible(meta, fingerprint(pipeline.model), path)
+    if meta.get("global_batch_size") != pipeline.train.global_batch_size:
+        raise PlanError([Violation(
+            "checkpoint", ("train.global_batch_size", "checkpoint.resume"),
+            f"{path} was saved with global_batch_size = {meta.get('global_batch_size')}",
+            hint="resume with the batch size it was saved with (the data position counts "
+            "sequences of that size)")])
     return path
 
 
@@ -186,13 +192,7 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
                 f"mesh {plan.layout.sizes()}")
     if resume is not None:
         ckpt.load(resume, model, optimizer)
-        saved = ckpt.read_meta(resume)
-        start = saved["step"]
-        if saved.get("data_position", start * t.global_batch_size) != start * t.global_batch_size:
-            raise PlanError([Violation(
-                "checkpoint", ("train.global_batch_size", "checkpoint.resume"),
-                f"{resume} was saved with global_batch_size = {saved.get('global_batch_size')}",
-                hint="resume with the batch size it was saved with")])
+        start = ckpt.read_meta(resume)["step"]
         report.info(f"resumed from {resume} at step {start}")
 
     dp_size, dp_rank, loss_group = 1, 0, None
@@ -237,8 +237,6 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if loss_value is None:
-            loss_value = torch.zeros((), device=ctx.device)
         if dev != "cpu":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - began
