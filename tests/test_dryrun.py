@@ -92,3 +92,18 @@ def test_cli_dryrun(tmp_path, capsys):
     assert main(["dryrun", str(path), "--world-size", "3"]) == 2  # 8 sequences over 3 ranks
     with pytest.raises(PlanError):
         dryrun(loads_pipeline("[plugins.tp]\nsize = 3\n"), world_size=4)
+
+
+def test_mixtral_sized_moe_in_seconds():
+    import time
+
+    from shardgraph.train import load_pipeline
+    from tests.test_examples import EXAMPLES
+
+    began = time.monotonic()
+    report = dryrun(load_pipeline(EXAMPLES / "mixtral_8x7b_ep_dryrun.toml"), world_size=64,
+                    rank=9)
+    assert time.monotonic() - began < 60
+    assert report["full_parameters"] == 46_702_792_704  # Mixtral-8x7B
+    assert report["steps"] == ["ep", "fsdp2"] and report["sizes"]["ep"] == 8
+    assert any(c["op"] == "all_to_all" and c["group"] == "ep" for c in report["collectives"])

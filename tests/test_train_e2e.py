@@ -117,6 +117,7 @@ def test_loss_falls_and_matches_one_process(runs, world):
 
 
 def test_kill_during_save_keeps_the_last_checkpoint_and_resume_reproduces(runs):
+    """SIGKILL on every rank between writing the step-10 shards and the rename."""
     tmp = runs["tmp"]
     path = pipeline_file(tmp, "crash", FSDP2_AC)
     root = tmp / "ckpt_crash"
@@ -134,6 +135,12 @@ def test_kill_during_save_keeps_the_last_checkpoint_and_resume_reproduces(runs):
     # the same plan and world as the uninterrupted w2 run: the same losses (momentum restored)
     assert [r["loss"] for r in rows] == pytest.approx(runs["w2"][5:10], abs=1e-6)
     assert ckpt.latest(root).name == "step_00000010"
+    # a clean stop at step 10, then on to 13: again the uninterrupted losses
+    more = shardgraph_train(path, "--nproc", 2, "--steps", 13, "--metrics", tmp / "r2.jsonl")
+    assert more.returncode == 0, more.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp / "r2.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [11, 12, 13]
+    assert [r["loss"] for r in rows] == pytest.approx(runs["w2"][10:13], abs=1e-6)
 
 
 def _load_under(rank: int, world: int, text: str, path: str, plugins: list[str]) -> dict:
