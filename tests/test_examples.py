@@ -18,10 +18,7 @@ from tests import _dist
 EXAMPLES = Path(__file__).parents[1] / "examples"
 FILES = sorted(EXAMPLES.glob("*.toml"))
 #: compile only: CUDA-only packages, 8 ranks, or shapes far too large for a CPU
-COMPILE_ONLY = {"megatron_fsdp", "pp_tp_fsdp2_3d", "llama3_70b_dryrun", "mixtral_8x7b_ep_dryrun",
-                # cp shards each batch with cp.shard_batch, which Plan.train_step does not
-                # call yet: the training loop reaches cp through train_step only
-                "cp_fsdp2"}
+COMPILE_ONLY = {"megatron_fsdp", "pp_tp_fsdp2_3d", "llama3_70b_dryrun", "mixtral_8x7b_ep_dryrun"}
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)

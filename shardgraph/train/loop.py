@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.errors import PlanError, Violation
 from ..graphs.plan import Plan
+from ..parallelisms.cp import shard_batch
 from . import checkpoint as ckpt
 from .config import Pipeline
 from .data import TokenStream, local_slice
@@ -227,9 +228,18 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
             loss_value = torch.zeros((), device=ctx.device)
             for i, part in enumerate(tokens.split(micro)):
                 plan.gradient_sync(model, i == n_micro - 1)
-                with _loss_context(plan):
-                    loss = plan.train_step(model, part, lambda logits, target: _causal_lm_loss(
-                        logits, target) / n_micro)
+                # cp asks a loop for one call: each rank keeps its share of the sequences
+                # (and the labels shifted over the whole sequence); without cp it is a no-op.
+                inputs = shard_batch(model, {"input_ids": part, "labels": part})
+                if inputs.keys() != {"input_ids", "labels"}:
+                    # the model's loss is the token-weighted loss of the whole sequences
+                    loss = model(**inputs).loss / n_micro
+                    loss.backward()
+                    loss = loss.detach()
+                else:
+                    with _loss_context(plan):
+                        loss = plan.train_step(model, part, lambda logits, target: (
+                            _causal_lm_loss(logits, target) / n_micro))
                 if isinstance(loss, DTensor):  # a vocabulary-parallel loss is replicated
                     loss = loss.full_tensor()
                 loss_value += loss.float()
