@@ -1,9 +1,10 @@
 """The training loop: build, parallelise, train, report, checkpoint.
 
-Runs on every rank of an initialised process group (or in one process without any). It only
-talks to the plan through ``Plan.build_mesh``, ``Plan.apply`` and ``Plan.gradient_sync``, and
-to the forward and backward through ``Plan.train_step`` (which runs a pipeline schedule
-under pp), so each new plugin works here without a change to this file.
+Runs on every rank of an initialised process group (or in one process without any). It talks
+to the plan through ``Plan.build_mesh``, ``Plan.apply``, ``Plan.gradient_sync`` and
+``Plan.train_step`` (which runs the pipeline schedule under pp), plus the one call context
+parallelism asks of a loop (``cp.shard_batch``, a no-op without cp), so a new plugin works here
+without a change to this file.
 """
 
 from __future__ import annotations
