@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from shardgraph import Graph, PlanError
 from tests import _dist
-from tests.models import batch, full, max_param_diff, reference, sgd_step, tiny_llama
+from tests.models import batch, max_param_diff, reference, sgd_step, tiny_llama
 
 pytestmark = pytest.mark.multiprocess
 

@@ -31,7 +31,6 @@ from tests.models import (
     VOCAB,
     batch,
     max_param_diff,
-    reference,
     sgd_step,
     tiny_llama,
     tiny_qwen3,

@@ -49,14 +49,17 @@ DISTRIBUTED_KEYS = ("strategy", "dp_size", *SIZE_KEYS, *SWITCHES, "pipeline", "m
                     "mixed_precision")
 
 
-def load_toml(path: str | Path) -> Graph:
-    path = Path(path)
+def read(path: str | Path) -> str:
+    """A pipeline file's text; an unreadable file is a PlanError naming it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise PlanError([Violation("file", (str(path),), f"cannot read {path}: {exc.strerror}",
                                    hint="check the path")]) from None
-    return loads_toml(text, source=str(path))
+
+
+def load_toml(path: str | Path) -> Graph:
+    return loads_toml(read(path), source=str(path))
 
 
 def parse(text: str, source: str = "<string>") -> dict[str, Any]:

@@ -14,7 +14,7 @@ import attrs
 
 from ..core.errors import PlanError, Violation, did_you_mean
 from ..graphs.graph import Graph
-from ..graphs.toml import graph_from_dict, parse
+from ..graphs.toml import graph_from_dict, parse, read
 
 
 @attrs.frozen
@@ -193,10 +193,4 @@ def loads_pipeline(text: str, source: str = "<string>") -> Pipeline:
 
 
 def load_pipeline(path: str | Path) -> Pipeline:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlanError([Violation("file", (str(path),), f"cannot read {path}: {exc.strerror}",
-                                   hint="check the path")]) from None
-    return loads_pipeline(text, str(path))
+    return loads_pipeline(read(path), str(path))
