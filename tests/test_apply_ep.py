@@ -42,6 +42,8 @@ SCENARIOS = {
     "ep4": lambda: Graph().add("ep", size=4).add("fsdp2"),
     "ep2_hsdp": lambda: Graph().add("ep", size=2).add("fsdp2").add("hsdp", size=2),
     "ep2_dp4": lambda: Graph().add("ep", size=2, reshard_after_forward=True).add("fsdp2"),
+    # one local expert, two ep_shard ranks: fsdp2 shards the experts' second dim instead
+    "ep2_dp4_few_experts": lambda: Graph().add("ep", size=2).add("fsdp2"),
 }
 
 
@@ -90,7 +92,7 @@ def _count_router_runs(router_cls):
 def _scenario(name: str, world_size: int) -> dict:
     plan = SCENARIOS[name]().compile(world_size=world_size)
     ctx = plan.build_mesh("cpu")
-    experts = 4 if world_size == 2 else 8
+    experts = 2 if name == "ep2_dp4_few_experts" else 4 if world_size == 2 else 8
     model = tiny_qwen3_moe(experts)
     if name == "ep2_idle_rank":
         for layer in model.model.layers:
@@ -137,6 +139,8 @@ def _scenario(name: str, world_size: int) -> dict:
                           for n, p in model.named_parameters()),
         "experts": experts, "ep": ctx.ep_size, "ep_shard": ctx.layout.ep_shard,
         "expert_local_rows": local.shape[0],
+        "expert_local_shape": tuple(local.shape),
+        "expert_placements": tuple(moe.experts.gate_up_proj.placements),
         "expert_full_shape": tuple(full(moe.experts.gate_up_proj).shape),
         "expert_mesh": moe.experts.gate_up_proj.device_mesh.mesh_dim_names,
         "expert_ep_placement": moe.experts.gate_up_proj.placements[-1],
@@ -169,7 +173,8 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return _dist.run(run_scenarios, 4, ["ep4", "ep2_dp4", "ep2_hsdp"], timeout=300)
+    return _dist.run(run_scenarios, 4, ["ep4", "ep2_dp4", "ep2_hsdp", "ep2_dp4_few_experts"],
+                     timeout=300)
 
 
 def _matches_reference(results, name):
@@ -308,3 +313,13 @@ ignore_router_for_ac = true
     graph = SCENARIOS["ep2_ac_keep_router"]().compile(world_size=4)
     assert toml.to_dict() == graph.to_dict()
     assert toml.to_dict()["moe_mesh"] == {"names": ["pp", "ep_shard", "ep"], "shape": [1, 2, 2]}
+
+
+@pytest.mark.multiprocess
+def test_fewer_local_experts_than_ep_shard_ranks_shard_evenly_on_dim_1(world4):
+    _matches_reference(world4, "ep2_dp4_few_experts")
+    for r in world4:
+        got = r["ep2_dp4_few_experts"]
+        # 2 experts over ep 2: one per ep rank, its (2F, D) rows split over ep_shard 2
+        assert got["expert_local_shape"] == (1, 32, HIDDEN), got
+        assert got["expert_placements"] == (Shard(1), Shard(0))
