@@ -13,6 +13,7 @@ import contextlib
 import json
 import resource
 import sys
+import warnings
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -169,6 +170,10 @@ class Reporter:
 def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train on the current process group; returns the per-step rows and the final model."""
+    # A tp LM head returns its gathered logits as a view (DTensor.to_local), and FSDP2 warns
+    # once per rank that an in-place op on it would skip a hook. This loop makes none; a clone
+    # would cost a (batch, seq, vocab) copy every step.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     t = pipeline.train
