@@ -14,11 +14,16 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
-def test_python_snippets_run():
+def test_python_snippets_run_and_print_what_their_comments_say(capsys):
     snippets = _blocks("python")
     assert snippets
     for code in snippets:
         exec(compile(code, "README.md", "exec"), {})
+        out = capsys.readouterr().out
+        for line in code.splitlines():
+            if "print(" in line and "#" in line:
+                said = re.split(r":|\.\.\.", line.split("#", 1)[1])[0].strip().rstrip(",")
+                assert said in out, (said, out)
 
 
 def test_toml_forms_compile_to_the_same_plan():
