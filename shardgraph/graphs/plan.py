@@ -156,6 +156,18 @@ class Plan:
 
         return train_step(model, batch, loss_fn)
 
+    def prepare_batch(self, model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``batch`` (keyword arguments of ``model(**batch)``): every step
+        that declares ``prepare_batch`` reshapes it in plan order (cp keeps this rank's part of
+        each sequence, with labels shifted over the whole sequence). Without such a step the
+        batch comes back as it was (a new dict with the same items)."""
+        out = dict(batch)
+        for step in self.steps:
+            plugin = self.registry.get(step.plugin)
+            if plugin.prepare_batch is not None:
+                out = plugin.prepare_batch(model, step.options, out)
+        return out
+
     def gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         """Turn gradient reduction on (last micro-batch) or off (the others) where a step
         supports deferring it; a no-op for steps that always reduce."""

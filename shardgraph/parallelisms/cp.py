@@ -224,5 +224,6 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
+    prepare_batch=lambda model, options, batch: shard_batch(model, batch),
     doc="context parallelism: sequence-sharded attention over the cp axis",
 )

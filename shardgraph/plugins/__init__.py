@@ -9,10 +9,10 @@ from ._registry import (
     builtin_registry,
     default_registry,
 )
-from ._spec import Apply, Check, GradSync, Kind, ModelCheck, NoOptions, Plugin
+from ._spec import Apply, Check, GradSync, Kind, ModelCheck, NoOptions, Plugin, PrepareBatch
 
 __all__ = [
     "BUILTIN", "ENTRY_POINT_GROUP", "Apply", "Check", "GradSync", "Kind", "LoadFailure",
-    "ModelCheck", "NoOptions", "Plugin", "Registered", "Registry", "builtin_registry",
+    "ModelCheck", "NoOptions", "Plugin", "PrepareBatch", "Registered", "Registry", "builtin_registry",
     "default_registry",
 ]

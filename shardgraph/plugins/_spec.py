@@ -39,6 +39,9 @@ ModelCheck = Callable[["nn.Module", Any, "MeshContext"], list[Violation]]
 Apply = Callable[["nn.Module", Any, "MeshContext", dict[str, Any]], "nn.Module"]
 #: ``grad_sync(model, options, enabled)``: turn gradient reduction on/off for accumulation.
 GradSync = Callable[["nn.Module", Any, bool], None]
+#: ``prepare_batch(model, options, batch) -> batch``: this rank's share of a batch of model
+#: keyword arguments (cp keeps its part of every sequence); ``Plan.prepare_batch`` runs them.
+PrepareBatch = Callable[["nn.Module", Any, dict[str, Any]], dict[str, Any]]
 
 
 def _frozen(value) -> frozenset[str]:
@@ -75,6 +78,7 @@ class Plugin:
     model_check: ModelCheck | None = attrs.field(default=None, eq=False)
     apply: Apply | None = attrs.field(default=None, eq=False)
     grad_sync: GradSync | None = attrs.field(default=None, eq=False)
+    prepare_batch: PrepareBatch | None = attrs.field(default=None, eq=False)
     keeps_fqns: bool = True
     doc: str = ""
 
@@ -90,7 +94,7 @@ class Plugin:
         overlap = (self.before & self.after) | (self.provides & self.conflicts)
         if overlap:
             out.append(f"declares {sorted(overlap)} on both sides of an ordering or conflict")
-        for attr in ("check", "model_check", "apply", "grad_sync"):
+        for attr in ("check", "model_check", "apply", "grad_sync", "prepare_batch"):
             value = getattr(self, attr)
             if value is not None and not callable(value):
                 out.append(f"{attr} is not callable")

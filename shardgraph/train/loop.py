@@ -2,8 +2,8 @@
 
 Runs on every rank of an initialised process group (or in one process without any). It talks
 to the plan through ``Plan.build_mesh``, ``Plan.apply``, ``Plan.gradient_sync`` and
-``Plan.train_step`` (which runs the pipeline schedule under pp), plus the one call context
-parallelism asks of a loop (``cp.shard_batch``, a no-op without cp), so a new plugin works here
+``Plan.train_step`` (which runs the pipeline schedule under pp) and ``Plan.prepare_batch``
+(a plugin's share of each batch, e.g. cp's part of every sequence), so a new plugin works here
 without a change to this file.
 """
 
@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor
 
 from ..core.errors import PlanError, Violation
 from ..graphs.plan import Plan
-from ..parallelisms.cp import shard_batch
 from . import checkpoint as ckpt
 from .config import Pipeline
 from .data import TokenStream, local_slice
@@ -234,11 +233,11 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
             loss_value = torch.zeros((), device=ctx.device)
             for i, part in enumerate(tokens.split(micro)):
                 plan.gradient_sync(model, i == n_micro - 1)
-                # cp asks a loop for one call: each rank keeps its share of the sequences
-                # (and the labels shifted over the whole sequence); without cp it is a no-op.
-                inputs = shard_batch(model, {"input_ids": part, "labels": part})
+                # A step may reshape the batch (cp: each rank keeps its share of the sequences
+                # and the labels shifted over the whole sequence); without one it is unchanged.
+                inputs = plan.prepare_batch(model, {"input_ids": part, "labels": part})
                 if inputs.keys() != {"input_ids", "labels"}:
-                    # the model's loss is the token-weighted loss of the whole sequences
+                    # a reshaped batch: the model's own loss knows how to weigh its tokens
                     loss = model(**inputs).loss / n_micro
                     loss.backward()
                     loss = loss.detach()
