@@ -179,3 +179,12 @@ reshard_after_forward = true
     assert {"distributed.tp_size", "distributed.dp_replicate_size",
             "distributed.defer_fsdp_grad_sync", "distributed.moe.reshard_after_forward"} <= keys
     assert {"conflicts", "unknown-key"} <= set(info.value.rules)
+
+
+def test_unknown_keys_do_not_hide_wrong_types_and_nested_types_name_the_entry():
+    with pytest.raises(PlanError) as info:
+        g(("tp", {"sise": 2, "plan": {"a.b": 3}}), "fsdp2").compile(world_size=2)
+    by_rule = {v.rule: v for v in info.value.violations}
+    assert by_rule["unknown-key"].keys == ("plugins.tp.sise",)
+    assert by_rule["type"].keys == ("plugins.tp.plan",)
+    assert "['a.b'] expected str, got int 3" in by_rule["type"].message

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 import cattrs
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, make_mapping_structure_fn
 
 from .errors import Violation, did_you_mean
 
@@ -24,6 +24,17 @@ def _strict(kind: type, *accepted: type):
     return hook
 
 
+def _strict_mapping(kind: Any, conv: cattrs.Converter):
+    inner = make_mapping_structure_fn(kind, conv) if kind is not dict else None
+
+    def hook(value: Any, _type: Any) -> Any:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a table, got {type(value).__name__} {value!r}")
+        return inner(value, _type) if inner else dict(value)
+
+    return hook
+
+
 def _make_converter() -> cattrs.Converter:
     conv = cattrs.Converter(forbid_extra_keys=True)
     # cattrs would turn "2" into 2 and 2.7 into 2: a wrong type must be an error instead.
@@ -33,6 +44,9 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _strict(str, str))
     conv.register_structure_hook_factory(
         attrs.has, lambda cl: make_dict_structure_fn(cl, conv, _cattrs_forbid_extra_keys=True)
+    )
+    conv.register_structure_hook_factory(
+        lambda t: t is dict or typing.get_origin(t) is dict, lambda t: _strict_mapping(t, conv)
     )
     return conv
 
@@ -45,27 +59,35 @@ def option_names(cls: type) -> tuple[str, ...]:
 
 
 def structure_options(
-    cls: type, raw: Mapping[str, Any], origin: typing.Callable[[str], str], plugin: str
+    cls: type, raw: Mapping[str, Any], origin: typing.Callable[[str], str], plugin: str,
+    *, section: bool = False,
 ) -> tuple[Any | None, list[Violation]]:
-    """Build ``cls`` from ``raw``; return the instance or every problem found, keyed by ``origin``."""
+    """Build ``cls`` from ``raw``; return the instance or every problem found, keyed by ``origin``.
+
+    ``plugin`` names the owner in messages; ``section=True`` words them for a TOML section
+    (``[train] has no key ...``) rather than a plugin's options.
+    """
     names = option_names(cls)
+    owner, noun = (f"[{plugin}]", "key") if section else (repr(plugin), "option")
     violations = [
         Violation(
             rule="unknown-key",
             keys=(origin(key),),
-            message=f"{plugin!r} has no option {key!r}{did_you_mean(key, names)}",
-            hint=f"valid options of {plugin!r}: {', '.join(names) or '(none)'}",
-            plugin=plugin,
+            message=f"{owner} has no {noun} {key!r}{did_you_mean(key, names)}",
+            hint=f"valid {noun}s of {owner}: {', '.join(names) or '(none)'}",
+            plugin=None if section else plugin,
         )
         for key in raw
         if key not in names
     ]
-    if violations:
-        return None, violations
+    # The known keys are still structured, so a misspelt key hides no other problem.
+    known = {k: v for k, v in raw.items() if k in names}
     try:
-        return converter.structure(dict(raw), cls), []
+        return converter.structure(known, cls), violations
     except cattrs.ClassValidationError as group:
-        return None, [_to_violation(e, origin, plugin, cls) for e in _leaves(group)]
+        found = [_to_violation(e, origin, plugin, cls) for e in _leaves(group)]
+        found = [attrs.evolve(v, plugin=None) for v in found] if section else found
+        return None, violations + found
 
 
 def _leaves(group: BaseException) -> list[tuple[str, BaseException]]:
@@ -85,10 +107,23 @@ def _to_violation(item, origin, plugin: str, cls: type) -> Violation:
     return Violation(
         rule="type",
         keys=(origin(name),),
-        message=f"{plugin}.{name}: {exc}",
+        message="; ".join(_messages(exc)),
         hint=f"give {name} a value of type {expected}",
         plugin=plugin,
     )
+
+
+def _messages(exc: BaseException) -> list[str]:
+    """The leaf errors of a cattrs exception group, each with the map key or index it hit."""
+    if not getattr(exc, "exceptions", None):  # not a group (ExceptionGroup is 3.11+)
+        return [str(exc)]
+    out = []
+    for inner in exc.exceptions:
+        where = [str(getattr(n, "name", getattr(n, "index", ""))) for n in
+                 getattr(inner, "__notes__", ()) if hasattr(n, "name") or hasattr(n, "index")]
+        prefix = f"[{where[0]!r}] " if where else ""
+        out += [prefix + m for m in _messages(inner)]
+    return out
 
 
 def unstructure(options: Any) -> dict[str, Any]:

@@ -144,11 +144,6 @@ def _resolve(entries, registry: Registry, bad: list[Violation]) -> list[_Resolve
         plugin = registry.get(entry.name)
         options, problems = structure_options(plugin.options, entry.options, entry.origin, plugin.name)
         bad += problems
-        if options is None and all(v.rule == "unknown-key" for v in problems):
-            # Keep checking the plugin with the options it does know, so one misspelt key
-            # does not hide every other problem of the plan.
-            known = {k: v for k, v in entry.options.items() if k in attrs.fields_dict(plugin.options)}
-            options, _ = structure_options(plugin.options, known, entry.origin, plugin.name)
         if options is not None:
             out.append(_Resolved(entry, plugin, options))
     return out

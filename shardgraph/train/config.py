@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from ..core.errors import PlanError, Violation, did_you_mean
+from ..core.options import structure_options
 from ..graphs.graph import Graph
 from ..graphs.toml import graph_from_dict, parse, read
 
@@ -89,45 +90,16 @@ OPTIMIZERS = ("sgd", "adamw")
 DTYPES = ("fp32", "bf16")
 TOKEN_DTYPES = ("uint16", "int32", "int64")
 
-_TYPES = {int: "an integer", float: "a number", str: "a string", dict: "a table"}
-
-
-def _field_type(field: attrs.Attribute) -> type:
-    text = str(field.type)
-    for name, kind in (("dict", dict), ("int", int), ("float", float), ("str", str)):
-        if text.startswith(name):
-            return kind
-    raise TypeError(text)  # pragma: no cover - a new field with a new type
-
-
 def _section(name: str, table: Any, bad: list[Violation]) -> Any:
     cls = SECTIONS[name]
     if not isinstance(table, dict):
         bad.append(Violation("type", (name,), f"{name} must be a table, got {table!r}",
                              hint=f"write [{name}] with its keys below"))
         return cls()
-    fields = {f.name: f for f in attrs.fields(cls)}
-    values = {}
-    for key, value in table.items():
-        if key not in fields:
-            bad.append(Violation(
-                "unknown-key", (f"{name}.{key}",),
-                f"[{name}] has no key {key!r}{did_you_mean(key, list(fields))}",
-                hint=f"valid keys: {', '.join(fields)}"))
-            continue
-        kind = _field_type(fields[key])
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            bad.append(Violation(
-                "type", (f"{name}.{key}",),
-                f"{name}.{key} must be {_TYPES[kind]}, got {value!r}",
-                hint=f"e.g. {key} = {fields[key].default!r}" if fields[key].default
-                not in (None, attrs.NOTHING) and kind is not dict else f"give {key} {_TYPES[kind]}"))
-            continue
-        values[key] = value
-    return cls(**values)
+    value, problems = structure_options(cls, table, lambda key: f"{name}.{key}", name,
+                                        section=True)
+    bad += problems
+    return cls() if value is None else value
 
 
 def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
