@@ -323,3 +323,10 @@ def test_fewer_local_experts_than_ep_shard_ranks_shard_evenly_on_dim_1(world4):
         # 2 experts over ep 2: one per ep rank, its (2F, D) rows split over ep_shard 2
         assert got["expert_local_shape"] == (1, 32, HIDDEN), got
         assert got["expert_placements"] == (Shard(1), Shard(0))
+
+
+def test_wrap_outer_model_false_is_refused_at_compile_time():
+    with pytest.raises(PlanError) as info:
+        Graph().add("ep", size=2, wrap_outer_model=False).add("fsdp2").compile(world_size=2)
+    assert info.value.rule == "option" and info.value.key == "plugins.ep.wrap_outer_model"
+    assert Graph().add("ep", size=2, wrap_outer_model=True).add("fsdp2").compile(world_size=2)

@@ -9,7 +9,7 @@ wraps the blocks around them; router, attention and shared experts stay dense an
 that strategy.
 
 Not yet: the strategy's cpu_offload does not reach the experts' unit (ep cannot see fsdp2's
-options); ``wrap_outer_model`` is accepted but fsdp2 wraps no extra outer unit; pp and cp are
+options); ``wrap_outer_model = false`` is refused (fsdp2 always wraps the root); pp and cp are
 untested with ep (under cp each rank's load-balancing loss covers its own sequence chunk only).
 """
 
@@ -40,8 +40,20 @@ class EPOptions:
     #: activation checkpointing keeps the router's outputs instead of recomputing them
     #: (no effect without the activation_checkpointing plugin)
     ignore_router_for_ac: bool = False
-    #: fsdp2 also wraps the outer model (embeddings, head) as its own unit (NOT honoured yet)
+    #: the outer model (embeddings, final norm, head) is sharded as the strategy's root unit;
+    #: only true is supported (fsdp2 always wraps the root), false is refused at compile time
     wrap_outer_model: bool = True
+
+
+def _check(options: EPOptions, layout, settings) -> list[Violation]:
+    if options.wrap_outer_model:
+        return []
+    return [Violation(
+        "option", ("wrap_outer_model",),
+        "wrap_outer_model = false is not supported: fsdp2 always shards the outer model "
+        "(embeddings, final norm, LM head) as its root unit",
+        hint="remove wrap_outer_model or set it to true",
+    )]
 
 
 def _expert_placement(experts: nn.Module, ep_shard: int):
@@ -127,6 +139,7 @@ PLUGIN = Plugin(
     # The MoE mesh (pp, ep_shard, ep) covers pp * dp * cp ranks: it has no room for tp.
     conflicts={"tensor_parallel"},
     before={"activation_checkpointing", "data_parallel"},
+    check=_check,
     model_check=_model_check,
     apply=_apply,
     doc="expert parallelism: experts sharded over ep, tokens exchanged with all-to-all",
