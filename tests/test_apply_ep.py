@@ -35,6 +35,7 @@ SCENARIOS = {
     .add("fsdp2").add("activation_checkpointing"),
     # every token routed to the first half of the experts: ep rank 1 receives none
     "ep2_idle_rank": lambda: Graph().add("ep", size=2).add("fsdp2"),
+    "ep2_offload": lambda: Graph().add("ep", size=2).add("fsdp2", cpu_offload=True),
     # the experts' unit computes in the precision the blocks' units do
     "ep2_bf16": lambda: Graph().add("ep", size=2).add("fsdp2").add(
         "mixed_precision", param_dtype="bf16", reduce_dtype="fp32", output_dtype="fp32"),
@@ -155,6 +156,9 @@ def _scenario(name: str, world_size: int) -> dict:
         "router_kept_stale": stale if name == "ep2_ac_keep_router" else None,
         "checkpointed": "checkpoint" in (_get_registry(model.model.layers[0]) or {}),
         "expert_class": type(moe.experts).__name__,
+        # private, but the only place FSDP2 records it: is the experts' unit offloaded?
+        "experts_offloaded": moe.experts._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+        .offload_to_cpu,
         "steps": [s.plugin for s in plan.steps],
     }
 
@@ -167,7 +171,7 @@ def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def world2():
-    names = ["ep2", "ep2_ac", "ep2_ac_keep_router", "ep2_idle_rank", "ep2_bf16"]
+    names = ["ep2", "ep2_ac", "ep2_ac_keep_router", "ep2_idle_rank", "ep2_bf16", "ep2_offload"]
     return _dist.run(run_scenarios, 2, names, timeout=300)
 
 
@@ -330,3 +334,11 @@ def test_wrap_outer_model_false_is_refused_at_compile_time():
         Graph().add("ep", size=2, wrap_outer_model=False).add("fsdp2").compile(world_size=2)
     assert info.value.rule == "option" and info.value.key == "plugins.ep.wrap_outer_model"
     assert Graph().add("ep", size=2, wrap_outer_model=True).add("fsdp2").compile(world_size=2)
+
+
+@pytest.mark.multiprocess
+def test_the_strategys_cpu_offload_reaches_the_experts_unit(world2):
+    _matches_reference(world2, "ep2_offload")
+    assert all(r["ep2_offload"]["experts_offloaded"] for r in world2)
+    assert not any(r["ep2"]["experts_offloaded"] for r in world2)
+    assert world2[0]["ep2_offload"]["steps"] == ["ep", "fsdp2"]

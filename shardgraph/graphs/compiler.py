@@ -314,6 +314,9 @@ def _order(active: list[_Resolved], bad) -> list[Step]:
                 if p is not r:
                     consumed.setdefault(r.plugin.name, []).append((cap, p))
                     absorbed.add(p.plugin.name)
+        for cap in sorted(r.plugin.reads - r.plugin.consumes):
+            consumed.setdefault(r.plugin.name, []).extend(
+                (cap, p) for p in providers.get(cap, []) if p is not r)
     nodes = {r.plugin.name: r for r in active if r.plugin.apply is not None and
              r.plugin.name not in absorbed}
     edges: dict[str, set[str]] = {n: set() for n in nodes}

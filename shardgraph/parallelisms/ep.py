@@ -8,8 +8,7 @@ own ``fully_shard`` unit over ``ep_shard`` (as in torchtitan) before the data-pa
 wraps the blocks around them; router, attention and shared experts stay dense and are left to
 that strategy.
 
-Not yet: the strategy's cpu_offload does not reach the experts' unit (ep cannot see fsdp2's
-options); ``wrap_outer_model = false`` is refused (fsdp2 always wraps the root); pp and cp are
+Not yet: ``wrap_outer_model = false`` is refused (fsdp2 always wraps the root); pp and cp are
 untested with ep (under cp each rank's load-balancing loss covers its own sequence chunk only).
 """
 
@@ -18,8 +17,14 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import torch
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import Shard
 
 from ..core.axes import Axis
@@ -106,11 +111,14 @@ def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[
     policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
                                   cast_forward_inputs=policy.cast_forward_inputs)
     ep_mesh, ep_shard_mesh = ctx.mesh(Axis.EP), ctx.mesh(Axis.EP_SHARD)
+    offload = OffloadPolicy()
+    if getattr(inputs.get("fully_shard"), "cpu_offload", False):
+        offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     for layer in moe_layers(model):
         shard_experts(layer.experts, ep_mesh)
         # The blocks' fully_shard must not take the expert DTensors (they live on the MoE mesh):
         # the experts become their own unit first, and the blocks' units leave them out.
-        fully_shard(layer.experts, mesh=ep_shard_mesh, mp_policy=policy,
+        fully_shard(layer.experts, mesh=ep_shard_mesh, mp_policy=policy, offload_policy=offload,
                     reshard_after_forward=options.reshard_after_forward,
                     shard_placement_fn=_expert_placement(layer.experts, ep_shard_mesh.size()))
         # An expert's gradient already sums the tokens of its whole ep group (the all-to-all's
@@ -134,8 +142,10 @@ PLUGIN = Plugin(
     provides={"expert_parallel", "model_parallel"},
     # The experts get their own fully_shard unit: the strategy must be fully_shard based.
     requires={"fully_shard"},
-    # The experts' unit computes in the precision the blocks' units do.
+    # The experts' unit computes in the precision the blocks' units do, and is offloaded when
+    # the strategy offloads.
     consumes={"precision_policy"},
+    reads={"fully_shard"},
     # The MoE mesh (pp, ep_shard, ep) covers pp * dp * cp ranks: it has no room for tp.
     conflicts={"tensor_parallel"},
     before={"activation_checkpointing", "data_parallel"},

@@ -56,7 +56,9 @@ class Plugin:
     (``pp, dp_replicate, cp, tp, ep``) the options class must have ``size: int``.
     ``provides`` / ``requires`` / ``conflicts`` / ``before`` / ``after`` / ``consumes`` hold
     capability flags. ``before={"data_parallel"}`` orders this plugin's step before every step
-    that provides ``data_parallel``. A ``consumes``d capability's provider runs no step of its own
+    that provides ``data_parallel``. ``reads``: the options of each provider of these capabilities
+    reach ``apply`` (ep reads the fsdp2 options its experts' unit must follow).
+    A ``consumes``d capability's provider runs no step of its own
     while the consumer runs: its options reach the consumer's ``apply`` instead.
     ``within_node``: the axis must divide ``gpus_per_node``.
     ``apply=None``: the plugin only shapes the mesh (hsdp) and has no step.
@@ -74,6 +76,8 @@ class Plugin:
     before: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
     after: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
     consumes: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+    #: like ``consumes``, but the provider keeps its own step: only its options are read
+    reads: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
     check: Check | None = attrs.field(default=None, eq=False)
     model_check: ModelCheck | None = attrs.field(default=None, eq=False)
     apply: Apply | None = attrs.field(default=None, eq=False)
