@@ -51,6 +51,7 @@ def _plugins(args: argparse.Namespace) -> int:
             "provides": sorted(plugin.provides), "requires": sorted(plugin.requires),
             "conflicts": sorted(plugin.conflicts), "before": sorted(plugin.before),
             "after": sorted(plugin.after), "consumes": sorted(plugin.consumes),
+            "reads": sorted(plugin.reads),
             "source": registry.source(plugin.name), "doc": plugin.doc,
         })
     failures = [{"entry_point": f.entry_point, "distribution": f.distribution, "error": f.error}
@@ -60,7 +61,7 @@ def _plugins(args: argparse.Namespace) -> int:
         return 0
     for r in rows:
         print(f"{r['name']:<26} {r['kind']:<12} axis={r['axis'] or '-':<13} from {r['source']}")
-        for field in ("provides", "requires", "conflicts", "before", "after", "consumes"):
+        for field in ("provides", "requires", "conflicts", "before", "after", "consumes", "reads"):
             if r[field]:
                 print(f"    {field:<9} {', '.join(r[field])}")
     for f in failures:
