@@ -170,8 +170,12 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation]) -> No
         graph.entries.append(Entry(plugin, options, path=p + key, origins=origins))
     for key, plugin in SWITCHES.items():
         value = dist.get(key, False)
-        if not isinstance(value, bool):
-            bad.append(Violation("type", (p + key,), f"{key} must be true or false, got {value!r}",
+        if isinstance(value, dict):  # a switch with options: [distributed.activation_checkpointing]
+            graph.entries.append(Entry(plugin, value, path=p + key,
+                                       origins={k: f"{p}{key}.{k}" for k in value}))
+        elif not isinstance(value, bool):
+            bad.append(Violation("type", (p + key,), f"{key} must be true, false or a table of "
+                                 f"its options, got {value!r}",
                                  hint=f"{key} = true"))
         elif value:
             graph.entries.append(Entry(plugin, {}, path=p + key))

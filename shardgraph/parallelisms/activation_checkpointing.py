@@ -2,10 +2,17 @@
 
 Uses torch's composable ``checkpoint``, which keeps parameter names (``checkpoint_wrapper``
 would insert ``_checkpoint_wrapped_module.`` into every FQN and break checkpoints).
+
+``scopes`` names groups of modules by FQN globs, for composite models whose parts are
+checkpointed independently (a speech encoder and an LLM: ``{"llm": "llm.model.layers.*",
+"perception": ["encoder.layers.*", "adapter.*"]}``). A glob's outermost matches are checkpointed
+(recomputing a block already recomputes what it contains), and a glob matching nothing is an
+error naming its scope.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 import attrs
@@ -14,22 +21,84 @@ from torch.distributed._composable import checkpoint
 
 from ..core.blocks import blocks_violation, find_blocks
 from ..core.context import MeshContext
+from ..core.errors import Violation
 from ..plugins import Kind, Plugin
+
+_SCOPES_EXAMPLE = "scopes = { llm = \"llm.model.layers.*\", perception = [\"encoder.layers.*\"] }"
 
 
 @attrs.frozen
 class ActivationCheckpointingOptions:
     blocks: str | None = None
+    #: scope name -> an FQN glob or a list of them. A plain ``dict`` so that a lone string is
+    #: not split into characters by the structurer; ``_check`` validates the shape.
+    scopes: dict = attrs.field(factory=dict)
+
+
+def _globs(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _check(options: ActivationCheckpointingOptions, layout, settings) -> list[Violation]:
+    bad = []
+    if options.scopes and options.blocks is not None:
+        bad.append(Violation(
+            "option", ("blocks", "scopes"), "blocks and scopes both choose what to checkpoint",
+            hint="keep one: blocks for one model, scopes for the parts of a composite model"))
+    for name, value in options.scopes.items():
+        ok = isinstance(value, str) or (
+            isinstance(value, list) and value and all(isinstance(g, str) for g in value))
+        if not ok or not all(_globs(value)):
+            bad.append(Violation(
+                "type", ("scopes",),
+                f"scope {name!r} must be an FQN glob or a non-empty list of globs, got {value!r}",
+                hint=f"e.g. {_SCOPES_EXAMPLE}"))
+    return bad
+
+
+def scope_modules(model: nn.Module, globs: list[str]) -> dict[str, list[tuple[str, nn.Module]]]:
+    """The outermost modules matching each glob (a glob matching a block also matches
+    everything inside it, and nested checkpoints would recompute twice)."""
+    out = {}
+    for glob in globs:
+        found = [(n, m) for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, glob)]
+        names = {n for n, _ in found}
+        out[glob] = [(n, m) for n, m in found
+                     if not any(n.startswith(p + ".") for p in names if p != n)]
+    return out
 
 
 def _model_check(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshContext):
-    return blocks_violation(model, options.blocks, "activation_checkpointing")
+    if not options.scopes:
+        return blocks_violation(model, options.blocks, "activation_checkpointing")
+    bad = []
+    for name, value in options.scopes.items():
+        missing = [g for g, found in scope_modules(model, _globs(value)).items() if not found]
+        if missing:
+            bad.append(Violation(
+                "model", (f"plugins.activation_checkpointing.scopes.{name}",),
+                f"scope {name!r}: no module of {type(model).__name__} matches "
+                + ", ".join(repr(g) for g in missing),
+                hint="write each glob as a module FQN of the model the plan is applied to, "
+                     "e.g. 'llm.model.layers.*' (print [n for n, _ in model.named_modules()])",
+                plugin="activation_checkpointing"))
+    return bad
 
 
 def _apply(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshContext,
            inputs: dict[str, Any]):
-    for _, block in find_blocks(model, options.blocks):
-        checkpoint(block)
+    if not options.scopes:
+        for _, block in find_blocks(model, options.blocks):
+            checkpoint(block)
+        return model
+    done: set[int] = set()
+    for value in options.scopes.values():
+        for found in scope_modules(model, _globs(value)).values():
+            for _, module in found:
+                # Two scopes may name the same module; checkpointing it twice would fail.
+                if id(module) not in done:
+                    done.add(id(module))
+                    checkpoint(module)
     return model
 
 
@@ -39,7 +108,9 @@ PLUGIN = Plugin(
     options=ActivationCheckpointingOptions,
     provides={"activation_checkpointing"},
     before={"data_parallel"},
+    check=_check,
     model_check=_model_check,
     apply=_apply,
-    doc="recompute each transformer block in backward (composable checkpoint)",
+    doc="recompute each transformer block (or each named scope's modules) in backward "
+        "(composable checkpoint)",
 )
