@@ -56,7 +56,6 @@ REJECTED = [
     (g("ddp", ("cp", {"size": 2})), 4, 8, "conflicts", {"plugins.cp"}),
     (g("ddp", ("ep", {"size": 2})), 4, 8, "conflicts", {"plugins.ep"}),
     (g("ddp", ("hsdp", {"size": 2})), 8, 8, "conflicts", {"plugins.hsdp"}),
-    (g("ddp", ("hsdp", {"size": 2})), 8, 8, "requires", {"plugins.hsdp"}),
     (g("fsdp2", ("hsdp", {"size": 4})), 4, 8, "dp-replicate", {"plugins.hsdp.size"}),
     (g("fsdp2", ("hsdp", {"size": 3})), 4, 8, "dp-replicate", {"plugins.hsdp.size"}),
     (g(("hsdp", {"size": 2})), 8, 8, "requires", {"plugins.hsdp"}),

@@ -1,20 +1,32 @@
 """The graph compiler: declarations in, an ordered and validated Plan out.
 
+Five stages, each adding what it finds to one list of violations, raised once before any
+process group, model or device is touched:
+
+1. resolve: each entry's plugin (entry points load on demand) and its structured options;
+2. layout: the mesh arithmetic, owned by ``core.mesh`` (sizes, world size, dp, within-node);
+3. activate: a plugin is active when its axis has degree > 1 (policies also at world size 1);
+4. check: strategies, conflicts, requirements, and each active plugin's own ``check``;
+5. order: the steps, topologically from ``before`` / ``after``.
+
 It reads only what plugins declare (kind, axis, capabilities, ordering, consumption and their
-own ``check``); it never branches on a plugin's name. Every violation is collected and raised
-once, before any process group, model or device is touched.
+own ``check``); it never branches on a plugin's name. A stage skips what an earlier violation
+left unknown, so a consequence of a reported problem is never reported as a second one.
 """
 
 from __future__ import annotations
 
+import difflib
 import heapq
+import warnings
 from typing import Any
 
 import attrs
 
 from ..core.axes import Axis
-from ..core.errors import PlanError, Violation
-from ..core.layout import MeshLayout, Settings
+from ..core.errors import PlanError, PlanWarning, Violation
+from ..core.layout import Settings
+from ..core.mesh import AxisRequest, DerivedMesh, MeshRequest, derive_mesh, positive
 from ..core.options import structure_options
 from ..plugins import Kind, Plugin, Registry, default_registry
 from .graph import Entry, Graph
@@ -49,60 +61,39 @@ RULES = {
 class _Resolved:
     entry: Entry
     plugin: Plugin
-    options: Any
+    options: Any  # None when the user's options did not structure (already reported)
     active: bool = False
 
 
 def compile_graph(
     graph: Graph, *, world_size: int | None, gpus_per_node: int | None, registry: Registry | None
 ) -> Plan:
+    """resolve -> layout -> activate -> check -> order; every violation, raised once."""
     registry = registry if registry is not None else default_registry()
-    bad: list[Violation] = []
-    world_ok = len(bad)
-    world_size = _positive(world_size, graph.key("world_size"), bad, required=True)
-    world_ok = len(bad) == world_ok
-    gpus_per_node = _positive(
-        8 if gpus_per_node is None else gpus_per_node, graph.key("gpus_per_node"), bad
-    )
+    bad: list[Violation] = list(graph.problems)  # what the front end found reading the input
+    for note in graph.warnings:
+        warnings.warn(PlanWarning(note), stacklevel=3)
     settings = _settings(graph, bad)
-    resolved = _resolve(graph.entries, registry, bad)
-    layout = _layout(graph, resolved, world_size if world_ok else None, gpus_per_node, bad)
-    if layout is None:
-        # Still report every plugin's own option problems, against the sizes as given.
-        given = {r.plugin.axis.value: r.options.size for r in resolved if r.plugin.sized}
-        given = {k: v for k, v in given.items() if isinstance(v, int) and v >= 1}
-        rough = MeshLayout(world_size=max(world_size, 1), **given)
-        for r in resolved:
-            if r.plugin.check is not None:
-                bad += [_locate(v, r, graph) for v in r.plugin.check(r.options, rough, settings)]
-        raise PlanError(bad)
-    resolved = _activate(resolved, layout, bad)
+    resolved, unresolved = _resolve(graph.entries, registry, bad)
+    mesh = derive_mesh(_mesh_request(graph, resolved, world_size, gpus_per_node))
+    bad += mesh.violations
+    resolved = _activate(resolved, mesh, bad)
     active = [r for r in resolved if r.active]
+    layout = mesh.layout
     # The mesh is the one the running strategy declares (ddp: (dp,)), else the dense one.
     own_mesh = [r.plugin.mesh_axes for r in active
                 if r.plugin.kind is Kind.STRATEGY and r.plugin.mesh_axes]
     if len(own_mesh) == 1:
         layout = attrs.evolve(layout, mesh_axes=own_mesh[0])
-    _check_capabilities(active, resolved, layout, bad)
+    _check_capabilities(resolved, unresolved, mesh, graph, registry, bad)
     for r in active:
-        if r.plugin.check is not None:
+        # A plugin whose options or own degree are already reported bad has nothing to check.
+        if r.plugin.check is not None and r.options is not None and r.plugin.axis not in mesh.unknown:
             bad += [_locate(v, r, graph) for v in r.plugin.check(r.options, layout, settings)]
-    steps = _order(active, bad)
+    steps = _order([r for r in active if r.options is not None], bad)
     if bad:
         raise PlanError(bad)
     return Plan(layout=layout, steps=tuple(steps), registry=registry)
-
-
-def _positive(value, key: str, bad: list[Violation], *, required: bool = False) -> int:
-    if value is None and not required:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        bad.append(Violation(
-            "size", (key,), f"{key} must be a positive integer, got {value!r}",
-            hint=f"set {key} to an integer >= 1",
-        ))
-        return 1
-    return value
 
 
 def _settings(graph: Graph, bad: list[Violation]) -> Settings:
@@ -114,7 +105,7 @@ def _settings(graph: Graph, bad: list[Violation]) -> Settings:
         packed = 0
     lbs = graph.local_batch_size
     if lbs is not None:
-        lbs = _positive(lbs, graph.key("local_batch_size"), bad)
+        lbs = positive(lbs, graph.key("local_batch_size"), bad)
     if packed and lbs not in (None, 1):
         bad.append(Violation(
             "packed-sequence",
@@ -125,8 +116,10 @@ def _settings(graph: Graph, bad: list[Violation]) -> Settings:
     return Settings(packed_sequence_size=packed, local_batch_size=lbs)
 
 
-def _resolve(entries, registry: Registry, bad: list[Violation]) -> list[_Resolved]:
-    out, seen = [], {}
+def _resolve(entries, registry: Registry, bad: list[Violation]):
+    """Each entry's plugin and structured options; entries naming no plugin come back apart
+    (what they would have provided is unknown, so rules they might satisfy are not judged)."""
+    out, unresolved, seen = [], [], {}
     for entry in entries:
         if entry.name in seen:
             bad.append(Violation(
@@ -140,105 +133,52 @@ def _resolve(entries, registry: Registry, bad: list[Violation]) -> list[_Resolve
             registry.load_entry_points(only={entry.name})
         if entry.name not in registry:
             bad.append(registry.unknown(entry.name, key=entry.path))
+            unresolved.append(entry)
             continue
         plugin = registry.get(entry.name)
         options, problems = structure_options(plugin.options, entry.options, entry.origin, plugin.name)
         bad += problems
-        if options is not None:
-            out.append(_Resolved(entry, plugin, options))
-    return out
+        out.append(_Resolved(entry, plugin, options))
+    return out, unresolved
 
 
-def _layout(graph, resolved, world_size, gpus_per_node, found) -> MeshLayout | None:
-    bad: list[Violation] = []
-    try:
-        return _derive_layout(graph, resolved, world_size, gpus_per_node, bad)
-    finally:
-        found += bad
-
-
-def _derive_layout(graph, resolved, world_size, gpus_per_node, bad) -> MeshLayout | None:
-    sizes: dict[Axis, int] = {}
-    owner: dict[Axis, _Resolved] = {}
+def _mesh_request(graph: Graph, resolved, world_size, gpus_per_node) -> MeshRequest:
+    axes = []
+    strategies = 0
     for r in resolved:
-        axis = r.plugin.axis
-        if axis is None:
+        p = r.plugin
+        if p.axis is None:
             continue
-        if axis in owner:
-            bad.append(Violation(
-                "axis-owner", (owner[axis].entry.path, r.entry.path),
-                f"plugins {owner[axis].plugin.name!r} and {r.plugin.name!r} both own axis "
-                f"{axis.value!r}", hint="keep one of them", plugin=r.plugin.name,
-            ))
-            continue
-        owner[axis] = r
-        if r.plugin.sized:
-            sizes[axis] = _positive(r.options.size, r.entry.origin("size"), bad)
-    if bad or world_size is None:
-        return None
-    pp, cp, tp, ep = (sizes.get(a, 1) for a in (Axis.PP, Axis.CP, Axis.TP, Axis.EP))
-    replicate = sizes.get(Axis.DP_REPLICATE, 1)
-    size_keys = tuple(owner[a].entry.origin("size") for a in (Axis.PP, Axis.CP, Axis.TP)
-                      if a in owner and sizes[a] > 1)
-    if world_size % (pp * cp * tp):
-        bad.append(Violation(
-            "world-size", (graph.key("world_size"), *size_keys),
-            f"world size {world_size} is not divisible by pp * cp * tp = {pp} * {cp} * {tp}",
-            hint=f"use a world size that is a multiple of {pp * cp * tp}, or smaller degrees",
+        if p.kind is Kind.STRATEGY:
+            strategies += 1
+            if strategies > 1:  # "one-strategy" says it; a second axis owner would repeat it
+                continue
+        size = None
+        if p.sized and r.options is not None:
+            size = r.options.size
+        axes.append(AxisRequest(
+            axis=p.axis, owner=p.name, key=r.entry.path, size=size,
+            size_key=r.entry.origin("size") if p.sized else "", within_node=p.within_node,
         ))
-        return None
-    dp = world_size // (pp * cp * tp)
-    if graph.dp_size is not None:
-        given = _positive(graph.dp_size, graph.key("dp_size"), bad)
-        if given != dp and not bad:
-            bad.append(Violation(
-                "dp-size", (graph.key("dp_size"), graph.key("world_size"), *size_keys),
-                f"dp_size = {given} but world_size / (tp * pp * cp) = "
-                f"{world_size} / {pp * cp * tp} = {dp}",
-                hint=f"set dp_size = {dp}, or leave it out to derive it",
-            ))
-    rep_key = owner[Axis.DP_REPLICATE].entry.origin("size") if Axis.DP_REPLICATE in owner else ""
-    if replicate > 1 and (dp % replicate or replicate >= dp):
-        why = (f"does not divide dp = {dp}" if dp % replicate
-               else f"leaves dp_shard = {dp // replicate}: pure replication, nothing to shard")
-        bad.append(Violation(
-            "dp-replicate", (rep_key, graph.key("world_size")),
-            f"dp_replicate = {replicate} {why}",
-            hint=f"choose a divisor of {dp} smaller than {dp}, or use ddp for pure replication",
-            plugin=owner[Axis.DP_REPLICATE].plugin.name,
-        ))
-    if ep > 1 and (dp * cp) % ep:
-        bad.append(Violation(
-            "ep-divides", (owner[Axis.EP].entry.origin("size"), graph.key("world_size")),
-            f"ep = {ep} does not divide dp * cp = {dp} * {cp} = {dp * cp}",
-            hint=f"choose ep among the divisors of {dp * cp}",
-            plugin=owner[Axis.EP].plugin.name,
-        ))
-    for axis, r in owner.items():
-        if r.plugin.within_node and r.plugin.sized and gpus_per_node % sizes[axis]:
-            bad.append(Violation(
-                "within-node", (r.entry.origin("size"), graph.key("gpus_per_node")),
-                f"{r.plugin.name} = {sizes[axis]} does not divide gpus_per_node = "
-                f"{gpus_per_node}: its groups would span nodes",
-                hint=f"choose a divisor of {gpus_per_node}", plugin=r.plugin.name,
-            ))
-    if bad:
-        return None
-    return MeshLayout(
-        world_size=world_size, gpus_per_node=gpus_per_node, pp=pp, dp_replicate=replicate,
-        dp_shard=dp // replicate, cp=cp, tp=tp, ep=ep,
+    return MeshRequest(
+        world_size=world_size, gpus_per_node=gpus_per_node, dp_size=graph.dp_size,
+        axes=tuple(axes),
+        keys={k: graph.key(k) for k in ("world_size", "gpus_per_node", "dp_size")},
     )
 
 
-def _activate(resolved, layout: MeshLayout, bad) -> list[_Resolved]:
-    """A plugin is active when its axis has degree > 1; at world size 1 only policies are."""
+def _activate(resolved, mesh: DerivedMesh, bad) -> list[_Resolved]:
+    """A plugin is active when its axis has degree > 1; at world size 1 only policies are.
+    A degree another violation left unknown counts as active: the user asked for it."""
+    multi = not mesh.world_known or mesh.layout.world_size > 1
     out = []
     for r in resolved:
         p = r.plugin
         if p.axis is not None:
-            active = layout.degree(p.axis) > 1
+            degree = mesh.degree(p.axis)
+            active = degree is None or degree > 1
         else:
-            active = layout.world_size > 1 or p.kind is Kind.POLICY
+            active = multi or p.kind is Kind.POLICY
         if p.sized and not active:
             extra = sorted(k for k in r.entry.options if k != "size")
             if extra:
@@ -252,37 +192,37 @@ def _activate(resolved, layout: MeshLayout, bad) -> list[_Resolved]:
     return out
 
 
-def _check_capabilities(active: list[_Resolved], resolved, layout: MeshLayout, bad) -> None:
+def _clash(a: Plugin, b: Plugin) -> frozenset[str]:
+    return (a.conflicts & b.provides) | (b.conflicts & a.provides)
+
+
+def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
+                        registry: Registry, bad) -> None:
+    """Strategies, conflicts and requirements. A requirement of a plugin already reported in
+    a conflict, or one an unresolved entry may satisfy, is a consequence and not repeated; a
+    hint names only fixes the other rules would accept."""
+    active = [r for r in resolved if r.active]
     strategies = [r for r in resolved if r.plugin.kind is Kind.STRATEGY]
     if len(strategies) > 1:
         bad.append(Violation(
             "one-strategy", tuple(r.entry.path for r in strategies),
             f"more than one data-parallel strategy: {[r.plugin.name for r in strategies]}",
-            hint="keep exactly one",
+            hint=f"keep one of {', '.join(r.plugin.name for r in strategies)}",
         ))
-    if not strategies and layout.degree(Axis.DP) > 1:  # an idle strategy is fine at dp = 1
+    dp_cp = mesh.degree(Axis.DP)
+    if not strategies and not unresolved and dp_cp is not None and dp_cp > 1:
+        # an idle strategy is fine at dp * cp = 1; an unknown plugin may be the strategy
+        fits = [p.name for p in registry if p.kind is Kind.STRATEGY
+                and not any(_clash(p, r.plugin) for r in active)]
+        lay = mesh.layout
         bad.append(Violation(
-            "needs-strategy", ("world_size",),
-            f"{layout.dp * layout.cp} ranks hold the same parameters (dp = {layout.dp}, "
-            f"cp = {layout.cp}) but no data-parallel strategy reduces their gradients",
-            hint="add a strategy plugin (fsdp2, ddp, megatron_fsdp), or raise the model-parallel "
-            "degrees so that dp * cp = 1",
+            "needs-strategy", (graph.key("world_size"),),
+            f"{lay.dp * lay.cp} ranks hold the same parameters (dp = {lay.dp}, "
+            f"cp = {lay.cp}) but no data-parallel strategy reduces their gradients",
+            hint=(f"add a strategy ({', '.join(fits)}), or " if fits else "")
+            + "raise the model-parallel degrees so that dp * cp = 1",
         ))
-    providers: dict[str, list[_Resolved]] = {}
-    for r in active:
-        for cap in r.plugin.provides:
-            providers.setdefault(cap, []).append(r)
-    for r in active:
-        for need in sorted(r.plugin.requires):
-            if not [p for p in providers.get(need, []) if p is not r]:
-                bad.append(Violation(
-                    "requires", (r.entry.path,),
-                    f"{r.plugin.name} requires {need!r}, which no active plugin provides"
-                    + "".join(f" ({p.plugin.name} provides it but has size 1)" for p in resolved
-                              if not p.active and need in p.plugin.provides),
-                    hint=f"add a plugin that provides {need!r} with size > 1, or remove "
-                    f"{r.plugin.name}", plugin=r.plugin.name,
-                ))
+    in_conflict: set[str] = set()
     reported = set()
     for r in active:
         for other in active:
@@ -291,13 +231,86 @@ def _check_capabilities(active: list[_Resolved], resolved, layout: MeshLayout, b
             if other is r or not clash or pair in reported:
                 continue
             reported.add(pair)
+            in_conflict |= pair
             bad.append(Violation(
                 "conflicts", (r.entry.path, other.entry.path),
                 f"{r.plugin.name} does not support {other.plugin.name} "
                 f"({', '.join(sorted(clash))})",
-                hint=f"remove {other.plugin.name} (or give it size 1), or choose another "
-                f"plugin than {r.plugin.name}", plugin=r.plugin.name,
+                hint=_conflict_hint(r, other, active, registry), plugin=r.plugin.name,
             ))
+    providers: dict[str, list[_Resolved]] = {}
+    for r in active:
+        for cap in r.plugin.provides:
+            providers.setdefault(cap, []).append(r)
+    for r in active:
+        if r.plugin.name in in_conflict:
+            continue
+        for need in sorted(r.plugin.requires):
+            if [p for p in providers.get(need, []) if p is not r]:
+                continue
+            if any(_may_provide(u, need, registry) for u in unresolved):
+                continue
+            idle = [p for p in resolved if not p.active and need in p.plugin.provides]
+            bad.append(Violation(
+                "requires", (r.entry.path,),
+                f"{r.plugin.name} requires {need!r}, which no active plugin provides"
+                + "".join(f" ({p.plugin.name} provides it but has size 1)" for p in idle),
+                hint=_requires_hint(r, need, idle, resolved, registry), plugin=r.plugin.name,
+            ))
+
+
+def _may_provide(entry: Entry, need: str, registry: Registry) -> bool:
+    """Whether an entry that named no loadable plugin may be meant as a provider of ``need``."""
+    if entry.name in registry.failures:
+        return True  # a third-party plugin whose declaration we cannot read
+    names = [p.name for p in registry if need in p.provides]
+    return bool(difflib.get_close_matches(entry.name, names, n=1, cutoff=0.6))
+
+
+def _requires_hint(r: _Resolved, need: str, idle, resolved, registry: Registry) -> str:
+    remove = f"remove {r.plugin.name}"
+    if idle:
+        p = idle[0]
+        if p.plugin.sized:
+            return f"set {p.entry.origin('size')} > 1, or {remove}"
+        return remove
+    present = {x.plugin.name for x in resolved}
+    others = [x for x in resolved if x.active and x is not r]
+    fixes = []
+    for cand in registry:
+        if need not in cand.provides or cand.name in present:
+            continue
+        replaced = [x for x in others if cand.kind is Kind.STRATEGY
+                    and x.plugin.kind is Kind.STRATEGY]
+        kept = [x for x in others if x not in replaced]
+        if any(_clash(cand, x.plugin) for x in kept) or cand.requires - _provided(kept, cand):
+            continue
+        fixes.append(f"replace {replaced[0].plugin.name} by {cand.name}" if replaced
+                     else f"add {cand.name}" + (" with size > 1" if cand.sized else ""))
+    if not fixes:
+        return f"{remove}: no registered plugin provides {need!r} alongside this plan"
+    return "; ".join(fixes) + f"; or {remove}"
+
+
+def _provided(kept, cand: Plugin) -> frozenset[str]:
+    return frozenset(cap for x in kept for cap in x.plugin.provides) | cand.provides
+
+
+def _conflict_hint(r: _Resolved, other: _Resolved, active, registry: Registry) -> str:
+    drop = f"remove {other.plugin.name}"
+    if other.plugin.sized:
+        drop += f" (or set {other.entry.origin('size')} = 1)"
+    rest = [x.plugin for x in active if x is not r]
+    alternatives = [
+        cand.name for cand in registry
+        if cand.kind is r.plugin.kind and cand.name != r.plugin.name
+        and cand.name not in {x.name for x in rest}
+        and not any(_clash(cand, x) for x in rest)
+        and not cand.requires - frozenset(c for x in rest for c in x.provides)
+    ]
+    if alternatives:
+        return f"{drop}, or use {' or '.join(alternatives)} instead of {r.plugin.name}"
+    return drop
 
 
 def _order(active: list[_Resolved], bad) -> list[Step]:

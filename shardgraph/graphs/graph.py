@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ..core.errors import Violation
+
 if TYPE_CHECKING:
     from ..plugins import Registry
     from .plan import Plan
@@ -41,6 +43,11 @@ class Graph:
     gpus_per_node: int | None = None
     #: where each graph-level setting came from in the user's input (for error keys)
     keys: dict[str, str] = attrs.field(factory=dict)
+    #: problems a front end found while reading the input; ``compile`` reports them together
+    #: with its own, so an unknown key hides no other problem
+    problems: list[Violation] = attrs.field(factory=list)
+    #: input a front end ignores on purpose; ``compile`` issues each as a ``PlanWarning``
+    warnings: list[Violation] = attrs.field(factory=list)
 
     def add(self, name: str, **options: Any) -> Graph:
         self.entries.append(Entry(name, options, path=f"plugins.{name}"))
