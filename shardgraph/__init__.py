@@ -2,6 +2,7 @@
 with torch.distributed."""
 
 from .core import Axis, MeshContext, MeshLayout, PlanError, Settings, Violation
+from .core.errors import PlanWarning
 from .graphs import Graph, Plan, Step
 from .graphs.toml import load_toml, loads_toml
 from .parallelisms.cp import shard_batch
@@ -9,7 +10,7 @@ from .plugins import Kind, NoOptions, Plugin, Registry, builtin_registry, defaul
 
 __all__ = [
     "Axis", "Graph", "Kind", "MeshContext", "MeshLayout", "NoOptions", "Plan", "PlanError",
-    "Plugin", "Registry", "Settings", "Step", "Violation", "builtin_registry",
+    "PlanWarning", "Plugin", "Registry", "Settings", "Step", "Violation", "builtin_registry",
     "default_registry", "load_toml", "loads_toml", "shard_batch",
 ]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
 
 def _compile(args: argparse.Namespace):
     graph = load_toml(args.file)
-    if args.world_size is not None:
+    if args.world_size is not None or graph.world_size is None:
         graph.keys["world_size"] = "--world-size"
     if args.gpus_per_node is not None:
         graph.keys["gpus_per_node"] = "--gpus-per-node"

@@ -24,15 +24,43 @@ class Violation:
         return f"{text}\n    fix: {self.hint}" if self.hint else text
 
 
-class PlanError(ValueError):
-    """Raised once with every violation found; nothing has been changed when it is raised."""
+#: Sections of a pipeline file that describe training, not the parallelism plan.
+TRAINING_SECTIONS = ("model", "data", "train", "checkpoint")
+PLAN_SUBJECT = "the parallelism plan"
 
-    def __init__(self, violations: Iterable[Violation]):
+
+def subject_of(violations: Iterable[Violation]) -> str:
+    """What failed, for an error's first line: ``the parallelism plan`` when any key is outside
+    the training sections (or no key is given), else the training sections named
+    (``[train]``, ``[model] and [train]``)."""
+    sections = set()
+    for v in violations:
+        for key in v.keys or ("",):
+            head = key.split(".", 1)[0]
+            if head not in TRAINING_SECTIONS:
+                return PLAN_SUBJECT
+            sections.add(head)
+    if not sections:
+        return PLAN_SUBJECT
+    names = [f"[{s}]" for s in TRAINING_SECTIONS if s in sections]
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
+class PlanError(ValueError):
+    """Raised once with every violation found; nothing has been changed when it is raised.
+
+    ``subject`` names what failed in the first line (``2 problems in [train]:``); by default
+    it is derived from the violations' keys (``subject_of``): the parallelism plan, or the
+    training sections when every key lies in them.
+    """
+
+    def __init__(self, violations: Iterable[Violation], *, subject: str | None = None):
         self.violations: tuple[Violation, ...] = tuple(violations)
         if not self.violations:
             raise ValueError("PlanError needs at least one violation")
+        self.subject = subject or subject_of(self.violations)
         count = len(self.violations)
-        head = f"{count} problem{'s' if count > 1 else ''} in the parallelism plan:"
+        head = f"{count} problem{'s' if count > 1 else ''} in {self.subject}:"
         super().__init__("\n".join([head, *("  - " + v.render() for v in self.violations)]))
 
     @property
@@ -55,6 +83,15 @@ class PlanError(ValueError):
     @property
     def plugin(self) -> str | None:
         return self.violations[0].plugin
+
+
+class PlanWarning(UserWarning):
+    """Something in the input is ignored on purpose (``pp_size = 1`` with a
+    ``[distributed.pipeline]`` block, as NeMo AutoModel does); ``violation`` says what."""
+
+    def __init__(self, violation: Violation):
+        self.violation = violation
+        super().__init__(violation.render())
 
 
 def did_you_mean(name: str, choices: Sequence[str]) -> str:

@@ -12,8 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from ..core.errors import PlanError, Violation, did_you_mean
+from ..core.options import option_names
 from .graph import Entry, Graph
+
+if TYPE_CHECKING:
+    from ..plugins import Registry
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,6 +53,8 @@ PIPELINE_KEYS = {
 }
 DISTRIBUTED_KEYS = ("strategy", "dp_size", *SIZE_KEYS, *SWITCHES, "pipeline", "moe",
                     "mixed_precision")
+#: NeMo AutoModel's other spellings of a strategy -> the registered plugin
+STRATEGY_ALIASES = {"megatron-fsdp": "megatron_fsdp", "mfsdp": "megatron_fsdp"}
 
 
 def read(path: str | Path) -> str:
@@ -59,6 +67,8 @@ def read(path: str | Path) -> str:
 
 
 def load_toml(path: str | Path) -> Graph:
+    """The pipeline in ``path``. Problems in its keys travel with the graph and are reported
+    by ``compile`` together with every other one; only unreadable or malformed files raise."""
     return loads_toml(read(path), source=str(path))
 
 
@@ -73,10 +83,15 @@ def parse(text: str, source: str = "<string>") -> dict[str, Any]:
 
 
 def loads_toml(text: str, *, source: str = "<string>") -> Graph:
-    return graph_from_dict(parse(text, source))
+    return graph_from_dict(parse(text, source), strict=False)
 
 
-def graph_from_dict(data: Mapping[str, Any]) -> Graph:
+def graph_from_dict(data: Mapping[str, Any], *, strict: bool = True,
+                    registry: Registry | None = None) -> Graph:
+    """The Graph a parsed pipeline describes. ``strict``: raise the problems found in its keys
+    at once; otherwise they ride on ``graph.problems`` and ``compile`` reports them with its
+    own (what ``load_toml`` does). ``registry`` (default: the process's) gives the strategy's
+    option names that ``[distributed]`` accepts."""
     bad: list[Violation] = []
     for key in data:
         if key not in SECTIONS:
@@ -90,7 +105,7 @@ def graph_from_dict(data: Mapping[str, Any]) -> Graph:
     graph = Graph()
     _settings(graph, data, bad)
     if "distributed" in data:
-        _distributed(graph, _table(data, "distributed", bad), bad)
+        _distributed(graph, _table(data, "distributed", bad), bad, registry)
     else:
         for name, options in _table(data, "plugins", bad).items():
             if isinstance(options, dict):
@@ -99,8 +114,9 @@ def graph_from_dict(data: Mapping[str, Any]) -> Graph:
                 bad.append(Violation("type", (f"plugins.{name}",),
                                      f"plugins.{name} must be a table, got {options!r}",
                                      hint=f"write [plugins.{name}] with its options below"))
-    if bad:
+    if bad and strict:
         raise PlanError(bad)
+    graph.problems.extend(bad)
     return graph
 
 
@@ -128,22 +144,40 @@ def _settings(graph: Graph, data: Mapping[str, Any], bad: list[Violation]) -> No
             graph.keys[key] = f"{section}.{key}"
 
 
-def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation]) -> None:
+def _strategy_options(name: str, registry: Registry | None) -> tuple[str, ...] | None:
+    """The option names of the strategy ``name``, or None when no such plugin loads."""
+    from ..plugins import default_registry
+
+    registry = registry if registry is not None else default_registry()
+    if name not in registry:
+        registry.load_entry_points(only={name})
+    return option_names(registry.get(name).options) if name in registry else None
+
+
+def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
+                 registry: Registry | None) -> None:
     p = "distributed."
     strategy = dist.get("strategy", "fsdp2")
     if not isinstance(strategy, str):
         bad.append(Violation("type", (p + "strategy",), f"strategy must be a string, got "
                              f"{strategy!r}", hint="e.g. strategy = \"fsdp2\""))
         strategy = "fsdp2"
+    strategy = STRATEGY_ALIASES.get(strategy, strategy)
+    own = _strategy_options(strategy, registry)
     strategy_options, strategy_origins = {}, {}
     for key, value in dist.items():
         if key in DISTRIBUTED_KEYS:
             continue
-        close = did_you_mean(key, DISTRIBUTED_KEYS)
-        if close:
-            bad.append(Violation("unknown-key", (p + key,), f"[distributed] has no key "
-                                 f"{key!r}{close}", hint="valid keys: " + ", ".join(DISTRIBUTED_KEYS)))
-        else:  # anything else is an option of the strategy (defer_fsdp_grad_sync, ...)
+        if own is not None and key not in own or own is None and did_you_mean(key, DISTRIBUTED_KEYS):
+            # The valid keys come from this table and the strategy's options class, so the
+            # hint cannot drift from what is accepted.
+            valid = (*DISTRIBUTED_KEYS, *(own or ()))
+            bad.append(Violation(
+                "unknown-key", (p + key,), f"[distributed] has no key {key!r}"
+                f"{did_you_mean(key, valid)}",
+                hint=f"valid keys: {', '.join(DISTRIBUTED_KEYS)}"
+                + (f"; and {strategy}'s options: {', '.join(own)}" if own else "")))
+        elif own is not None:  # an option of the strategy (defer_fsdp_grad_sync, ...)
             strategy_options[key] = value
             strategy_origins[key] = p + key
     graph.entries.append(Entry(strategy, strategy_options, path=p + "strategy",
@@ -157,6 +191,9 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation]) -> No
             continue
         options, origins = {"size": dist.get(key, 1)}, {"size": p + key}
         names = PIPELINE_KEYS if section == "pipeline" else {k: k for k in sub}
+        # NeMo configs switch pipelining off with pp_size = 1 and keep the block: NeMo warns
+        # and ignores it, and so does this form (the graph form refuses it as inactive).
+        ignored = section == "pipeline" and options["size"] == 1 and bool(sub)
         for sub_key, value in sub.items():
             if sub_key not in names:
                 bad.append(Violation(
@@ -165,8 +202,17 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation]) -> No
                     f"{did_you_mean(sub_key, list(names))}",
                     hint="valid keys: " + ", ".join(names)))
                 continue
-            options[names[sub_key]] = value
-            origins[names[sub_key]] = f"{p}{section}.{sub_key}"
+            if not ignored:
+                options[names[sub_key]] = value
+                origins[names[sub_key]] = f"{p}{section}.{sub_key}"
+        if ignored:
+            graph.warnings.append(Violation(
+                "inactive-options", tuple(f"{p}{section}.{k}" for k in sub),
+                f"pp_size = 1, so [distributed.{section}] is ignored (as NeMo AutoModel does)",
+                hint=f"set {p}pp_size > 1 to pipeline, or remove [distributed.{section}]",
+                plugin=plugin))
+            if key not in dist:
+                continue
         graph.entries.append(Entry(plugin, options, path=p + key, origins=origins))
     for key, plugin in SWITCHES.items():
         value = dist.get(key, False)
