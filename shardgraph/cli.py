@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
 
 
 def _compile(args: argparse.Namespace):
-    graph = load_toml(args.file)
+    graph = load_toml(args.file, strict=False)  # key problems are reported with the rest
     if args.world_size is not None or graph.world_size is None:
         graph.keys["world_size"] = "--world-size"
     if args.gpus_per_node is not None:

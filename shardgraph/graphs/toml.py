@@ -66,10 +66,11 @@ def read(path: str | Path) -> str:
                                    hint="check the path")]) from None
 
 
-def load_toml(path: str | Path) -> Graph:
-    """The pipeline in ``path``. Problems in its keys travel with the graph and are reported
-    by ``compile`` together with every other one; only unreadable or malformed files raise."""
-    return loads_toml(read(path), source=str(path))
+def load_toml(path: str | Path, *, strict: bool = True) -> Graph:
+    """The pipeline in ``path``. ``strict=False`` (the command line): problems in its keys
+    travel with the graph and ``compile`` reports them together with every other one; only an
+    unreadable or malformed file raises."""
+    return loads_toml(read(path), source=str(path), strict=strict)
 
 
 def parse(text: str, source: str = "<string>") -> dict[str, Any]:
@@ -82,15 +83,15 @@ def parse(text: str, source: str = "<string>") -> dict[str, Any]:
         )]) from None
 
 
-def loads_toml(text: str, *, source: str = "<string>") -> Graph:
-    return graph_from_dict(parse(text, source), strict=False)
+def loads_toml(text: str, *, source: str = "<string>", strict: bool = True) -> Graph:
+    return graph_from_dict(parse(text, source), strict=strict)
 
 
 def graph_from_dict(data: Mapping[str, Any], *, strict: bool = True,
                     registry: Registry | None = None) -> Graph:
     """The Graph a parsed pipeline describes. ``strict``: raise the problems found in its keys
     at once; otherwise they ride on ``graph.problems`` and ``compile`` reports them with its
-    own (what ``load_toml`` does). ``registry`` (default: the process's) gives the strategy's
+    own (the command line reads files so). ``registry`` (default: the process's) gives the strategy's
     option names that ``[distributed]`` accepts."""
     bad: list[Violation] = []
     for key in data:
@@ -168,16 +169,17 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
     for key, value in dist.items():
         if key in DISTRIBUTED_KEYS:
             continue
-        if own is not None and key not in own or own is None and did_you_mean(key, DISTRIBUTED_KEYS):
+        if (own is None or key not in own) and did_you_mean(key, DISTRIBUTED_KEYS):
             # The valid keys come from this table and the strategy's options class, so the
-            # hint cannot drift from what is accepted.
+            # hint cannot drift from what is accepted. Other keys go to the strategy, whose
+            # options class reports them (with its own valid names) at compile time.
             valid = (*DISTRIBUTED_KEYS, *(own or ()))
             bad.append(Violation(
                 "unknown-key", (p + key,), f"[distributed] has no key {key!r}"
                 f"{did_you_mean(key, valid)}",
                 hint=f"valid keys: {', '.join(DISTRIBUTED_KEYS)}"
                 + (f"; and {strategy}'s options: {', '.join(own)}" if own else "")))
-        elif own is not None:  # an option of the strategy (defer_fsdp_grad_sync, ...)
+        else:  # an option of the strategy (defer_fsdp_grad_sync, ...)
             strategy_options[key] = value
             strategy_origins[key] = p + key
     graph.entries.append(Entry(strategy, strategy_options, path=p + "strategy",
