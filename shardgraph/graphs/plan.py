@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -128,14 +128,27 @@ class Plan:
         if bad:
             raise PlanError(bad)
 
-    def apply(self, model: nn.Module, ctx: MeshContext) -> nn.Module:
+    def apply(self, model: nn.Module, ctx: MeshContext, *,
+              init: Callable[[nn.Module], None] | None = None) -> nn.Module:
         """Apply every step in order; returns the (possibly wrapped) model.
 
-        All model checks run first: when one fails nothing has been changed.
+        All model checks run first: when one fails nothing has been changed. A model built on
+        ``meta`` (``shardgraph.weights.meta_params``) is sharded while it holds no storage;
+        then each rank allocates only its shards and ``init`` fills them
+        (``shardgraph.weights.seeded_init`` or ``hf_load``), before the first step that
+        ``needs_storage`` or at the end. ``init`` on a model with storage re-fills it the same
+        way (the weights then do not depend on how the model was built). Without ``init`` a meta
+        model stays on ``meta`` (what the dry run measures).
         """
+        from ..weights import materialize
+
         self.check_model(model, ctx)
+        pending = init is not None
         for step in self.steps:
             plugin = self.registry.get(step.plugin)
+            if pending and plugin.needs_storage:
+                materialize(model, ctx.device, init)
+                pending = False
             names = _param_names(model) if plugin.keeps_fqns else None
             inputs = {cap: opts for cap, _, opts in step.inputs}
             out = plugin.apply(model, step.options, ctx, inputs)
@@ -146,6 +159,8 @@ class Plan:
                     f"plugin {step.plugin!r} declares keeps_fqns but renamed parameters"
                 )
             model = out
+        if pending:
+            materialize(model, ctx.device, init)
         object.__setattr__(model, _APPLIED, self)
         return model
 

@@ -84,6 +84,9 @@ class Plugin:
     grad_sync: GradSync | None = attrs.field(default=None, eq=False)
     prepare_batch: PrepareBatch | None = attrs.field(default=None, eq=False)
     keeps_fqns: bool = True
+    #: ``apply`` needs parameters with storage (DDP broadcasts and buckets them): on a model
+    #: built on ``meta`` the plan materialises the parameters before this step.
+    needs_storage: bool = False
     doc: str = ""
 
     def problems(self) -> list[str]:

@@ -51,5 +51,6 @@ PLUGIN = Plugin(
     apply=_apply,
     grad_sync=_grad_sync,
     keeps_fqns=False,  # parameters gain the wrapper's "module." prefix
+    needs_storage=True,  # DDP broadcasts and buckets real parameters at construction
     doc="DistributedDataParallel: replicated parameters, all-reduced gradients",
 )

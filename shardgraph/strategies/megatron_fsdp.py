@@ -92,5 +92,6 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     keeps_fqns=False,
+    needs_storage=True,
     doc="Megatron-FSDP (megatron-fsdp package, CUDA): ZeRO-0..3 with overlapped collectives",
 )

@@ -1,0 +1,26 @@
+"""Weights of a model larger than one rank: build on ``meta``, shard, then materialise each
+rank's shards from a seed or from an HF checkpoint; save HF checkpoints sharded.
+
+    with sg.meta_params():
+        model = LlamaForCausalLM(config)          # no parameter storage anywhere
+    model = plan.apply(model, ctx, init=sg.seeded_init(0, model._init_weights))
+    # or: init=sg.hf_load("local/hf/dir")
+    sg.save_hf(model, "out", config=config, all_tensors=...)
+"""
+
+from ._hf import check_checkpoint, hf_load, read_headers, save_hf, tensor_specs
+from ._init import (
+    canonical_name,
+    default_init_fn,
+    local_part,
+    materialize,
+    meta_params,
+    on_meta,
+    seeded_init,
+)
+
+__all__ = [
+    "canonical_name", "check_checkpoint", "default_init_fn", "hf_load", "local_part",
+    "materialize", "meta_params", "on_meta", "read_headers", "save_hf", "seeded_init",
+    "tensor_specs",
+]
