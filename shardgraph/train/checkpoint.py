@@ -158,20 +158,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def export_hf(state: dict[str, torch.Tensor], model_spec, out: Path) -> Path:
-    """Write a consolidated HF directory (config.json + model.safetensors) atomically."""
-    from .model import build_model
+def export_hf(model: nn.Module, model_spec, out: Path) -> Path:
+    """Write the (parallelised) model as an HF directory: safetensors shards, their index,
+    config.json and the tokenizer files of ``[model] path``. A collective: every rank writes
+    what it holds, no rank gathers the model; written to ``<out>.tmp`` and renamed."""
+    from ..weights import save_hf, tensor_specs
+    from .model import hf_config, meta_model
 
-    if out.exists() and any(out.iterdir()):
-        raise PlanError([Violation("checkpoint", ("checkpoint.export_hf",),
-                                   f"{out} exists and is not empty", hint="choose a new directory")])
-    model = build_model(model_spec, seed=0, device="meta")
-    model.load_state_dict(state, strict=False, assign=True)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    if out.exists():
-        out.rmdir()
-    os.rename(tmp, out)
-    return out
+    return save_hf(model, out, config=hf_config(model_spec),
+                   all_tensors=tensor_specs(meta_model(model_spec)), source_dir=model_spec.path)

@@ -30,7 +30,7 @@ from ..graphs.plan import Plan
 from . import checkpoint as ckpt
 from .config import Pipeline
 from .data import TokenStream, local_slice
-from .model import build_model, fingerprint, hf_config
+from .model import fingerprint, hf_config, meta_model, weights
 
 
 def device_type() -> str:
@@ -182,16 +182,15 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
     dev = device_type()
     ctx = plan.build_mesh(dev)
 
-    model = build_model(pipeline.model, seed=t.seed)
-    if dev != "cpu":
-        model = model.to(ctx.device)
-    model = plan.apply(model, ctx)
+    # Built on meta and sharded there: each rank then allocates and fills only its shards.
+    model = meta_model(pipeline.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    model = plan.apply(model, ctx, init=weights(pipeline.model, t.seed, model))
     optimizer = make_optimizer(model, pipeline)
     stream = TokenStream(pipeline.data, hf_config(pipeline.model).vocab_size, seed=t.seed)
 
     start = 0
     report = Reporter(total, metrics, t.log_every, rank)
-    n_params = sum(p.numel() for p in build_model(pipeline.model, t.seed, "meta").parameters())
     report.info(f"{pipeline.source}: {type(model).__name__.removeprefix('FSDP')} "
                 f"{n_params:,} parameters, {world} process{'es' if world > 1 else ''} ({dev}), "
                 f"plan: {' -> '.join(s.plugin for s in plan.steps) or 'none'}, "
@@ -272,12 +271,8 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
                                  {**meta, "data_position": done * t.global_batch_size}, c.keep)
                 report.info(f"saved {path}")
     if pipeline.checkpoint.export_hf:
-        state = ckpt.full_state_dict(model)
-        if rank == 0:
-            out = ckpt.export_hf(state, pipeline.model, Path(pipeline.checkpoint.export_hf))
-            report.info(f"exported {out}")
-        if dist.is_initialized():
-            dist.barrier()
+        out = ckpt.export_hf(model, pipeline.model, Path(pipeline.checkpoint.export_hf))
+        report.info(f"exported {out}")
     report.close()
     return {"rows": rows, "model": model, "optimizer": optimizer, "plan": plan, "ctx": ctx}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,43 +52,59 @@ def hf_config(spec: ModelConfig):
                                    f"rejects these values: {exc}", hint="fix model.config")]) from None
 
 
-def build_model(spec: ModelConfig, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """The model with weights drawn from ``seed``: identical on every rank and under every plan.
-
-    On the ``meta`` device nothing is allocated (the dry run).
-    """
-    config = hf_config(spec)
+def model_class(spec: ModelConfig, config=None):
     if spec.path is not None:
         from transformers import AutoModelForCausalLM
 
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
-    else:
-        cls = _architecture(spec.architecture)
+        config = config if config is not None else hf_config(spec)
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    return _architecture(spec.architecture)
+
+
+def meta_model(spec: ModelConfig) -> nn.Module:
+    """The model of ``[model]`` with its parameters on ``meta`` (no storage) and its buffers
+    computed: what the plan shards before any rank allocates its part."""
+    from ..weights import meta_params
+
+    config = hf_config(spec)
+    cls = model_class(spec, config)
     dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float32
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = cls(config).to(dtype)
-    if spec.path is not None and str(device) != "meta":
-        _load_local_weights(model, Path(spec.path))
-    return model
+    with meta_params():
+        model = cls(config)
+    return model.to(dtype)
 
 
-def _load_local_weights(model: nn.Module, path: Path) -> None:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return  # a config-only directory: random weights
-    from safetensors.torch import load_file
+def weights(spec: ModelConfig, seed: int, model: nn.Module) -> Callable[[nn.Module], None]:
+    """What fills ``model``'s (sharded) parameters: the local HF checkpoint of ``[model] path``
+    when it has weights (each rank reads its slices), else the model's own initialisation drawn
+    from ``seed`` per module, identical under every plan (``shardgraph.weights``)."""
+    from ..weights import hf_load, seeded_init
 
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight")}
-    if set(missing) - tied or unexpected:
-        raise PlanError([Violation(
-            "model", ("model.path",), f"the weights in {path} do not fit the model "
-            f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})",
-            hint="point model.path at the directory the config came from")])
+    if spec.path is not None and any(Path(spec.path).glob("*.safetensors")):
+        return hf_load(spec.path)
+    return seeded_init(seed, model._init_weights)
+
+
+def build_model(spec: ModelConfig, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """The whole model in this process with the weights of :func:`weights` (the same values a
+    plan gives each rank its part of). On ``meta`` nothing is allocated (the dry run)."""
+    from ..weights import materialize
+
+    model = meta_model(spec)
+    if str(device) == "meta":
+        return model
+    return materialize(model, device, weights(spec, seed, model))
+
+
+def check_weights(spec: ModelConfig) -> list[Violation]:
+    """Problems between ``[model] path``'s safetensors and the model (missing, unexpected and
+    misshapen tensors, each named with its file); no weights are read."""
+    from ..weights import check_checkpoint, tensor_specs
+
+    if spec.path is None or not any(Path(spec.path).glob("*.safetensors")):
+        return []
+    shapes = {n: shape for n, (shape, _) in tensor_specs(meta_model(spec)).items()}
+    return check_checkpoint(shapes, Path(spec.path))
 
 
 def fingerprint(spec: ModelConfig) -> str:
