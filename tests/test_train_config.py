@@ -82,8 +82,10 @@ def test_same_sections_give_the_same_data_and_weights_whatever_the_plan():
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     s = TokenStream(a.data, vocab_size=128, seed=0)
     # position-addressed: two half batches are the full batch
-    assert torch.equal(s.batch(8, 8), torch.cat([s.batch(8, 4), s.batch(12, 4)]))
-    assert not torch.equal(s.batch(0, 8), s.batch(8, 8))
+    ids = lambda *a: s.batch(*a)["input_ids"]  # noqa: E731
+    assert torch.equal(ids(8, 8), torch.cat([ids(8, 4), ids(12, 4)]))
+    assert not torch.equal(ids(0, 8), ids(8, 8))
+    assert torch.equal(s.batch(0, 8)["labels"], ids(0, 8))  # synthetic: every token a label
 
 
 def test_token_file(tmp_path):
@@ -93,7 +95,7 @@ def test_token_file(tmp_path):
     f.write_text("hello world, " * 20)
     p = loads_pipeline(f"[data]\nseq_len = 8\npath = \"{f}\"")
     s = TokenStream(p.data, vocab_size=256, seed=0)
-    assert bytes(s.batch(0, 1)[0].tolist()) == b"hello wo"
+    assert bytes(s.batch(0, 1)["input_ids"][0].tolist()) == b"hello wo"
     with pytest.raises(PlanError) as err:
         TokenStream(p.data, vocab_size=64, seed=0)
     assert "data.path" in err.value.keys

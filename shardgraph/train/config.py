@@ -33,10 +33,14 @@ class ModelConfig:
 @attrs.frozen
 class DataConfig:
     seq_len: int = 16
-    #: None: a seeded synthetic token stream; else a local file (.txt: UTF-8 bytes as tokens;
-    #: .npy or .bin: token ids, .bin read as ``token_dtype``)
+    #: None: a seeded synthetic token stream; a token file (.txt: UTF-8 bytes as tokens; .npy
+    #: or .bin: token ids, .bin read as ``token_dtype``); or text to tokenise: a .jsonl or
+    #: .parquet file, or a directory of them, whose rows hold ``text`` or ``prompt`` and
+    #: ``completion`` (loss on the completion only); needs the ``data`` extra
     path: str | None = None
     token_dtype: str = "uint16"
+    #: the HF tokenizer directory for text data; default: the one in ``[model] path``
+    tokenizer: str | None = None
 
 
 @attrs.frozen
@@ -128,13 +132,15 @@ def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
     need(data.token_dtype in TOKEN_DTYPES, "data.token_dtype",
          f"unknown token dtype {data.token_dtype!r}", f"valid: {', '.join(TOKEN_DTYPES)}")
     if data.path is not None:
-        path = Path(data.path)
-        need(path.is_file(), "data.path", f"data file {data.path!r} does not exist",
-             "give the path of a .txt, .npy or .bin token file, or remove data.path for "
-             "synthetic tokens")
-        need(path.suffix in (".txt", ".npy", ".bin"), "data.path",
-             f"data file {data.path!r} has an unknown suffix {path.suffix!r}",
-             "use .txt (UTF-8 text, bytes as tokens), .npy or .bin (token ids)")
+        _data_path_rules(data, need)
+    if data.tokenizer is not None:
+        need(data.path is not None and _is_text(Path(data.path)), "data.tokenizer",
+             "data.tokenizer is set but data.path is not text (.jsonl, .parquet or a directory)",
+             "remove data.tokenizer: token files and synthetic data need no tokenizer")
+        need(Path(data.tokenizer).is_dir(), "data.tokenizer",
+             f"tokenizer directory {data.tokenizer!r} does not exist",
+             "give a directory written by tokenizer.save_pretrained; hub names are never "
+             "downloaded")
     if model.path is not None:
         need(Path(model.path, "config.json").is_file(), "model.path",
              f"{model.path!r} is not a local HF model directory (no config.json)",
@@ -144,6 +150,31 @@ def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
          "give the path of a checkpoint directory, \"auto\" or \"never\"")
     need(not (ckpt.every and ckpt.dir is None), "checkpoint.every",
          "checkpoint.every is set but checkpoint.dir is not", "set checkpoint.dir = \"ckpt\"")
+
+
+TOKEN_SUFFIXES = (".txt", ".npy", ".bin")
+TEXT_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _is_text(path: Path) -> bool:
+    return path.is_dir() or path.suffix in TEXT_SUFFIXES
+
+
+def _data_path_rules(data: DataConfig, need) -> None:
+    """What can be told of data.path without reading it (data.check reads it)."""
+    path = Path(data.path)
+    kinds = ("a .txt, .npy or .bin token file, a .jsonl or .parquet text file, or a directory "
+             "of .jsonl/.parquet files")
+    need(path.exists(), "data.path", f"data path {data.path!r} does not exist",
+         f"give {kinds}; or remove data.path for synthetic tokens")
+    if path.is_dir():
+        need(any(p.suffix in TEXT_SUFFIXES for p in path.iterdir()), "data.path",
+             f"directory {data.path!r} holds no .jsonl or .parquet file",
+             "put .jsonl or .parquet files in it, or point data.path at one file")
+    elif path.exists():
+        need(path.suffix in TOKEN_SUFFIXES + TEXT_SUFFIXES, "data.path",
+             f"data file {data.path!r} has an unknown suffix {path.suffix!r}",
+             f"use {', '.join(TOKEN_SUFFIXES + TEXT_SUFFIXES)}: {kinds}")
 
 
 def pipeline_from_dict(data: Mapping[str, Any], source: str = "<string>") -> Pipeline:

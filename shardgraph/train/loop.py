@@ -29,7 +29,7 @@ from ..core.errors import PlanError, Violation
 from ..graphs.plan import Plan
 from . import checkpoint as ckpt
 from .config import Pipeline
-from .data import TokenStream, local_slice
+from .data import IGNORE_INDEX, TokenStream, local_slice
 from .model import fingerprint, hf_config, meta_model, weights
 
 
@@ -110,10 +110,14 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    # Labels are the inputs shifted by one; the mean over every predicted token of the batch.
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
+    """The summed loss of every predicted token (labels shifted by one; ``IGNORE_INDEX`` is not
+    predicted) divided by ``weight``: the global batch's predicted-token count over dp, so
+    that the strategy's gradient average over dp ranks gives the token-weighted mean of the
+    global batch however the masked tokens fall on the ranks."""
     return nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX, reduction="sum") / weight
 
 
 def _loss_context(plan: Plan):
@@ -187,7 +191,10 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
     n_params = sum(p.numel() for p in model.parameters())
     model = plan.apply(model, ctx, init=weights(pipeline.model, t.seed, model))
     optimizer = make_optimizer(model, pipeline)
-    stream = TokenStream(pipeline.data, hf_config(pipeline.model).vocab_size, seed=t.seed)
+    config = hf_config(pipeline.model)
+    stream = TokenStream(pipeline.data, config.vocab_size, seed=t.seed,
+                         model_path=pipeline.model.path,
+                         max_positions=getattr(config, "max_position_embeddings", None))
 
     start = 0
     report = Reporter(total, metrics, t.log_every, rank)
@@ -222,28 +229,37 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
             torch.cuda.synchronize()
         began = time.perf_counter()
         position = step * t.global_batch_size
-        tokens = local_slice(stream.batch(position, t.global_batch_size), dp_rank, dp_size)
-        tokens = tokens.to(ctx.device)
+        batch = stream.batch(position, t.global_batch_size)
+        # Every rank holds the global batch here, so it counts the predicted tokens of the
+        # whole batch without a collective: the loss is their token-weighted mean.
+        weight = max(int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()), 1) / dp_size
+        batch = {k: v.to(ctx.device) for k, v in local_slice(batch, dp_rank, dp_size).items()}
         if pipelined:
-            # The schedule cuts the batch into its own microbatches and returns the loss of
-            # the local batch on every rank of the pipeline.
-            loss_value = plan.train_step(model, tokens, _causal_lm_loss).float().reshape(())
+            # The schedule cuts the batch into its own microbatches and returns the mean of
+            # their losses on every rank of the pipeline: weigh each back by its share of rows.
+            n_rows = batch["input_ids"].shape[0]
+            loss_value = plan.train_step(model, batch, lambda logits, target: (
+                _causal_lm_loss(logits, target, weight) * (n_rows / logits.shape[0]))
+            ).float().reshape(())
         else:
             loss_value = torch.zeros((), device=ctx.device)
-            for i, part in enumerate(tokens.split(micro)):
+            for i, (ids, labels) in enumerate(zip(batch["input_ids"].split(micro),
+                                                  batch["labels"].split(micro))):
                 plan.gradient_sync(model, i == n_micro - 1)
                 # A step may reshape the batch (cp: each rank keeps its share of the sequences
                 # and the labels shifted over the whole sequence); without one it is unchanged.
-                inputs = plan.prepare_batch(model, {"input_ids": part, "labels": part})
-                if inputs.keys() != {"input_ids", "labels"}:
-                    # a reshaped batch: the model's own loss knows how to weigh its tokens
-                    loss = model(**inputs).loss / n_micro
+                part = {"input_ids": ids, "labels": labels}
+                inputs = plan.prepare_batch(model, {**part, "num_items_in_batch": weight})
+                if inputs.keys() != {*part, "num_items_in_batch"}:
+                    # a reshaped batch: the model's own loss sums its tokens' losses and
+                    # divides by num_items_in_batch, the same weight as _causal_lm_loss
+                    loss = model(**inputs).loss
                     loss.backward()
                     loss = loss.detach()
                 else:
                     with _loss_context(plan):
                         loss = plan.train_step(model, part, lambda logits, target: (
-                            _causal_lm_loss(logits, target) / n_micro))
+                            _causal_lm_loss(logits, target, weight)))
                 if isinstance(loss, DTensor):  # a vocabulary-parallel loss is replicated
                     loss = loss.full_tensor()
                 loss_value += loss.float()
@@ -280,8 +296,9 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
 def _global_mean(value: torch.Tensor, group) -> float:
     """The loss averaged over the data(-and-context)-parallel ranks.
 
-    Every dp rank holds the same number of tokens, so the mean of their means is the mean over
-    the global batch (tp and pp ranks of one replica hold the same value).
+    Each rank's loss is its summed token losses over the global token count / dp, so this
+    is the token-weighted mean over the global batch (tp and pp ranks of one replica hold the
+    same value; cp ranks each hold their replica's sum, counted cp times and divided by cp).
     """
     if not dist.is_initialized():
         return value.item()
