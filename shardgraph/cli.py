@@ -15,6 +15,10 @@ from .plugins import default_registry
 #: Extra subcommands: name -> (add_arguments(parser), run(args) -> exit code)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], int]]] = {}
+#: Modes of ``plan`` added by other modules: flag -> (add_arguments(parser), run(args)); run
+#: replaces the plain plan when ``args.<flag>`` is set (``--auto``: shardgraph.planner)
+PLAN_MODES: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
+                            Callable[[argparse.Namespace], int]]] = {}
 
 
 def _compile(args: argparse.Namespace):
@@ -27,6 +31,9 @@ def _compile(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace) -> int:
+    for flag, (_, run) in PLAN_MODES.items():
+        if getattr(args, flag, False):
+            return run(args)
     plan = _compile(args)
     if args.json:
         print(plan.to_json())
@@ -83,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="compile a pipeline and print its plan")
     _file_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    for add_arguments, _ in PLAN_MODES.values():
+        add_arguments(p)
     p.set_defaults(run=_plan)
     p = sub.add_parser("explain", help="the steps, the mesh and each rank's process groups")
     _file_args(p)
@@ -111,7 +120,7 @@ def _register_optional_commands() -> None:
     """Commands that live in their own modules add themselves to COMMANDS on import."""
     import importlib
 
-    for module in ("shardgraph.train.cli",):
+    for module in ("shardgraph.train.cli", "shardgraph.planner.cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -28,8 +28,10 @@ else:  # pragma: no cover
 
 #: Sections read by ``shardgraph train``; the plan compiler leaves them alone.
 TRAINING_SECTIONS = ("model", "data", "train", "checkpoint")
+#: Read by ``shardgraph estimate`` / ``plan --auto`` (the GPU and its figures).
+PLANNER_SECTIONS = ("cluster",)
 SECTIONS = ("plugins", "distributed", "mesh", "packed_sequence", "step_scheduler",
-            *TRAINING_SECTIONS)
+            *TRAINING_SECTIONS, *PLANNER_SECTIONS)
 MESH_KEYS = ("world_size", "gpus_per_node")
 
 #: [distributed] keys that set an axis size -> (plugin, its sub-table of options)

@@ -1,0 +1,181 @@
+"""``estimate``: the worst rank's memory and one optimizer step's time for a compiled plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import PlanError, Violation
+from .cost import Efficiency, model_flops_per_token, step_time
+from .gpus import GPU, cluster_table, resolve_gpu
+from .memory import activation_bytes, buffer_bytes, microbatches, stage_layers, state_bytes
+from .shape import ModelShape, model_shape
+from .view import PlanView, Setup, plan_view
+
+#: the share of HBM a step may use: the CUDA context, NCCL and the allocator's fragmentation
+#: take the rest
+USABLE_HBM = 0.92
+
+
+def setup_of(pipeline) -> Setup:
+    t = pipeline.train
+    states = {"adamw": 2, "sgd": 1 if t.momentum else 0}.get(t.optimizer, 2)
+    return Setup(seq_len=pipeline.data.seq_len, global_batch=t.global_batch_size,
+                 micro_batch=t.micro_batch_size, optimizer_states=states)
+
+
+def batch_violations(v: PlanView, setup: Setup, world_key: str) -> list[Violation]:
+    """The training loop's batch rules (``train.loop.compile_for``), without torch."""
+    if setup.global_batch % v.dp:
+        return [Violation("batch", ("train.global_batch_size", world_key),
+                          f"global_batch_size = {setup.global_batch} cannot be split over "
+                          f"dp = {v.dp} data-parallel ranks",
+                          hint=f"use a multiple of {v.dp}, or fewer processes")]
+    local = setup.global_batch // v.dp
+    if setup.micro_batch and local % setup.micro_batch:
+        return [Violation("batch", ("train.micro_batch_size", "train.global_batch_size"),
+                          f"the local batch of {local} sequences is not a multiple of "
+                          f"micro_batch_size = {setup.micro_batch}",
+                          hint="choose a micro_batch_size that divides global_batch_size / dp")]
+    if v.pp > 1 and v.microbatch_size and (local % v.microbatch_size
+                                           or local // v.microbatch_size < v.pp):
+        return [Violation("batch", ("plugins.pp.microbatch_size", "train.global_batch_size"),
+                          f"a local batch of {local} sequences in microbatches of "
+                          f"{v.microbatch_size} cannot fill pp = {v.pp} stages",
+                          hint="make global_batch_size / dp a multiple of microbatch_size and "
+                          "at least pp microbatches")]
+    return []
+
+
+def model_violations(shape: ModelShape, v: PlanView, setup: Setup) -> list[Violation]:
+    """The model rules the plugins check when the plan meets the model (tp divides heads and
+    the dims it splits, stages fit the layers, untied embeddings under pp, experts divisible by
+    ep), as arithmetic on the shape."""
+    bad = []
+    if v.tp > 1:
+        for key, n in (("num_attention_heads", shape.heads),
+                       ("num_key_value_heads", shape.kv_heads),
+                       ("vocab_size", shape.vocab), ("intermediate_size", shape.intermediate)):
+            if n % v.tp:
+                bad.append(Violation("tp-divisible", (f"model.config.{key}", "plugins.tp.size"),
+                                     f"{key} = {n} is not divisible by tp = {v.tp}",
+                                     hint=f"choose tp among the divisors of {n}"))
+        if shape.is_moe:
+            bad.append(Violation("model", ("plugins.tp",), "tensor parallelism of routed "
+                                 "experts is not supported", hint="use ep for MoE models"))
+    if v.pp > 1:
+        if v.pp * v.stages_per_rank > shape.layers:
+            bad.append(Violation("model", ("plugins.pp.size", "plugins.pp.stages_per_rank"),
+                                 f"{v.pp * v.stages_per_rank} pipeline stages but the model has "
+                                 f"only {shape.layers} layers",
+                                 hint=f"use at most {shape.layers} stages"))
+        if shape.tied:
+            bad.append(Violation("model", ("plugins.pp",), "tied embeddings cannot be split "
+                                 "over pipeline stages", hint="tie_word_embeddings = false"))
+    if v.ep > 1 and (not shape.is_moe or shape.experts % v.ep):
+        bad.append(Violation("model", ("plugins.ep.size",),
+                             f"{shape.experts} experts are not divisible by ep = {v.ep}" if
+                             shape.is_moe else "ep needs a mixture-of-experts model",
+                             hint="choose ep among the divisors of the number of experts"))
+    if v.cp > 1 and setup.seq_len % (2 * v.cp):
+        bad.append(Violation("model", ("data.seq_len", "plugins.cp.size"),
+                             f"seq_len = {setup.seq_len} is not divisible by 2 * cp = {2 * v.cp}",
+                             hint="choose cp so that 2 * cp divides seq_len"))
+    return bad
+
+
+def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
+             eff: Efficiency | None = None) -> dict[str, Any]:
+    """The estimate of one plan view (no checks): the worst pp rank's memory and the step."""
+    eff = eff or Efficiency()
+    act_dtype = v.compute_bytes or shape.param_bytes
+    states = state_bytes(shape, v, setup)
+    ranks = stage_layers(shape, v)
+    buffers = buffer_bytes(shape, v, act_dtype)
+    rows = []
+    for (held, chunks), st in zip(ranks, states):
+        act = activation_bytes(shape, v, setup, held, chunks, act_dtype)
+        on_gpu = 0 if v.cpu_offload else st["params"] + st["grads"] + st["optimizer"]
+        rows.append((on_gpu + act + buffers, st, act))
+    worst = max(range(len(rows)), key=lambda i: rows[i][0])
+    total, st, act = rows[worst]
+    offloaded = v.cpu_offload
+    memory = {"params": 0 if offloaded else st["params"],
+              "grads": 0 if offloaded else st["grads"],
+              "optimizer": 0 if offloaded else st["optimizer"],
+              "activations": int(act), "buffers": int(buffers)}
+    memory["total"] = sum(memory.values())
+    timing = step_time(shape, v, setup, gpu, eff)
+    t = timing["step_time_s"]
+    tokens = setup.global_batch * setup.seq_len
+    mfu = model_flops_per_token(shape, setup.seq_len) * tokens / (t * v.world * gpu.peak_flops)
+    mbs, n_micro = microbatches(v, setup)
+    return {
+        "memory_bytes_per_rank": memory,
+        "worst_pp_rank": worst,
+        "step_time_s": t,
+        "breakdown_s": timing["breakdown_s"],
+        "tokens_per_s_per_gpu": tokens / t / v.world,
+        "mfu": mfu,
+        "fits": memory["total"] <= USABLE_HBM * gpu.hbm_bytes,
+        "sizes": {"pp": v.pp, "dp_replicate": v.dp_replicate, "dp_shard": v.dp_shard,
+                  "cp": v.cp, "tp": v.tp, "ep": v.ep},
+        "micro_batch_size": mbs, "microbatches": n_micro,
+        "assumptions": {
+            "gpu": {"name": gpu.name, "peak_bf16_tflops": gpu.peak_flops / 1e12,
+                    "hbm_gib": gpu.hbm_bytes / 2**30, "hbm_tbps": gpu.hbm_bw / 1e12,
+                    "intra_node_gbps": gpu.intra_bw / 1e9, "network_gbps": gpu.inter_bw / 1e9,
+                    "source": gpu.source},
+            "usable_hbm_fraction": USABLE_HBM,
+            "matmul_efficiency": timing["efficiency"],
+            "efficiency_curve": {"e_max": eff.e_max, "x0": eff.x0, "comm_eff": eff.comm_eff},
+            "cpu_offload": offloaded,
+            "not_priced": list(v.unknown),
+            "model": {"architecture": shape.architecture, "parameters": shape.n_params,
+                      "active_parameters_per_token": shape.active_params_per_token()},
+        },
+    }
+
+
+def load(pipeline_or_path):
+    from ..train.config import load_pipeline, loads_pipeline
+
+    if isinstance(pipeline_or_path, (str, Path)):
+        text = str(pipeline_or_path)
+        if "\n" in text or "[" in text and not Path(text).exists():
+            return loads_pipeline(text)
+        return load_pipeline(pipeline_or_path)
+    return pipeline_or_path
+
+
+def context(pipeline, world_size: int, gpus_per_node: int | None, gpu: str | None):
+    """(gpus_per_node, GPU) from the arguments, ``[cluster]`` and ``[mesh]``."""
+    table = cluster_table(pipeline.raw.get("cluster"))
+    gpn = gpus_per_node or table.gpus_per_node or pipeline.graph.gpus_per_node or 8
+    return gpn, resolve_gpu(gpu, table)
+
+
+def estimate(pipeline, world_size: int, *, gpus_per_node: int | None = None,
+             gpu: str | None = None, efficiency: Efficiency | None = None,
+             world_key: str = "world_size") -> dict[str, Any]:
+    """Estimate the plan of ``pipeline`` (a path, TOML text or a loaded pipeline) at
+    ``world_size``: raises ``PlanError`` for a plan that does not compile or does not fit the
+    model, else returns the estimate's keys (see ``evaluate``)."""
+    from .calibration import FITTED
+
+    pipeline = load(pipeline)
+    gpn, chip = context(pipeline, world_size, gpus_per_node, gpu)
+    graph = pipeline.graph
+    if graph.world_size is not None and graph.world_size != world_size:
+        raise PlanError([Violation("world-size", (world_key, "mesh.world_size"),
+                                   f"the pipeline is laid out for mesh.world_size = "
+                                   f"{graph.world_size}, not {world_size}",
+                                   hint=f"use {graph.world_size} or remove mesh.world_size")])
+    plan = graph.compile(world_size=world_size, gpus_per_node=gpn)
+    v = plan_view(plan)
+    shape = model_shape(pipeline.model)
+    setup = setup_of(pipeline)
+    bad = batch_violations(v, setup, world_key) + model_violations(shape, v, setup)
+    if bad:
+        raise PlanError(bad)
+    return evaluate(shape, v, setup, chip, efficiency or FITTED)

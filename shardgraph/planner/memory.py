@@ -1,0 +1,193 @@
+"""Per-rank memory of a plan: parameters, gradients and optimizer state (exactly what the
+plan's sharding leaves on a rank, as ``shardgraph dryrun`` measures it), activations and
+buffers (from published analyses of transformer activation memory).
+
+Sharding, as the plugins apply it: tensor parallelism splits a parameter's ``tp_dim``; fully
+sharded data parallelism then splits dim 0 of what is left over ``dp_shard x cp`` (torch.chunk:
+the first ranks get ``ceil(n / size)`` rows, so rank 0 is the worst); a routed expert's stack
+is split over ``ep`` on dim 0 and then over ``ep_shard`` on dim 0, or on dim 1 when fewer local
+experts than ``ep_shard`` ranks remain; ddp keeps whole copies. Pipeline stage ``s`` holds its
+layers (split as ``_pp_split.split_layers`` does), the first stage the embedding, the last the
+final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import functools
+
+from .shape import ModelShape, Param, kind_params, layer_kind
+from .view import SCHEDULES, PlanView, Setup
+
+
+def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> list[range]:
+    """Same split as ``shardgraph.parallelisms._pp_split.split_layers`` (a test compares them):
+    even, a remainder to the middle stages first."""
+    if layers_per_stage is not None:
+        return [range(s * layers_per_stage, min(n_layers, (s + 1) * layers_per_stage))
+                for s in range(n_stages)]
+    counts = [n_layers // n_stages] * n_stages
+    order = list(range(1, n_stages - 1)) + [0, n_stages - 1][: min(2, n_stages)]
+    for i in range(n_layers % n_stages):
+        counts[order[i % len(order)]] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def stage_layers(shape: ModelShape, v: PlanView) -> list[tuple[set, int]]:
+    """For each pp rank: (the layer indices and "first"/"last" it holds, its stage count)."""
+    if v.pp == 1:
+        return [(set(range(shape.layers)) | {"first", "last"}, 1)]
+    v_shape = SCHEDULES.get(v.schedule, (1, False))[1]
+    n_stages = v.pp * v.stages_per_rank
+    ranges = split_layers(shape.layers, n_stages, v.layers_per_stage)
+    ranks: list[tuple[set, int]] = [(set(), 0) for _ in range(v.pp)]
+    for s, layers in enumerate(ranges):
+        r = (s if s < v.pp else 2 * v.pp - 1 - s) if v_shape else s % v.pp
+        held, count = ranks[r]
+        held |= set(layers) | ({"first"} if s == 0 else set()) | (
+            {"last"} if s == n_stages - 1 else set())
+        ranks[r] = (held, count + 1)
+    return ranks
+
+
+def _chunk(n: int, parts: int) -> int:
+    """Rank 0's share of ``n`` split by torch.chunk into ``parts``."""
+    return math.ceil(n / parts) if parts > 1 else n
+
+
+def local_numel(p: Param, v: PlanView) -> int:
+    """Elements of ``p`` on rank 0 of its groups (the largest share under ceil splits)."""
+    shape = list(p.shape)
+    if v.tp > 1 and p.tp_dim is not None:
+        shape[p.tp_dim] = _chunk(shape[p.tp_dim], v.tp)
+    if p.expert and v.ep > 1:
+        shape[0] = shape[0] // v.ep
+        ep_shard = v.dp * v.cp // v.ep
+        if v.strategy == "fully_shard" and ep_shard > 1:
+            dim = 0 if shape[0] >= ep_shard else 1
+            shape[dim] = _chunk(shape[dim], ep_shard)
+        return math.prod(shape)
+    if v.strategy == "fully_shard":
+        shape[0] = _chunk(shape[0], v.dp_shard * v.cp)
+    elif v.strategy == "sharded":
+        # megatron_fsdp shards a flat buffer over dp x cp: the even share, rounded up
+        return math.ceil(math.prod(shape) / (v.dp * v.cp))
+    return math.prod(shape)
+
+
+@functools.cache
+def _kind_numel(shape: ModelShape, kind: str, v: PlanView, experts: bool | None) -> int:
+    return sum(local_numel(p, v) for p in kind_params(shape, kind)
+               if experts is None or p.expert == experts)
+
+
+def held_numel(shape: ModelShape, held: set, v: PlanView, experts: bool | None = None) -> int:
+    """Elements this rank holds of the layers and extras in ``held`` (``experts``: only the
+    routed experts' (True), only the rest (False), or all (None))."""
+    return sum(_kind_numel(shape, layer_kind(shape, x), v, experts) for x in held)
+
+
+def state_bytes(shape: ModelShape, v: PlanView, setup: Setup) -> list[dict[str, int]]:
+    """params / grads / optimizer bytes on each pp rank (rank 0 of its other groups)."""
+    out = []
+    for held, _ in stage_layers(shape, v):
+        n = held_numel(shape, held, v)
+        b = n * shape.param_bytes
+        out.append({"params": b, "grads": b, "optimizer": setup.optimizer_states * b,
+                    "numel": n})
+    return out
+
+
+def microbatches(v: PlanView, setup: Setup) -> tuple[int, int]:
+    """(sequences per forward, forwards per step) on one rank."""
+    local = max(setup.global_batch // max(v.dp, 1), 1)
+    mbs = v.microbatch_size if v.pp > 1 else (setup.micro_batch or local)
+    mbs = max(1, min(mbs or 1, local))
+    return mbs, max(local // mbs, 1)
+
+
+def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> float:
+    """Bytes a block keeps for backward per token, per rank (flash attention: no s x s scores).
+
+    Counting what autograd saves in an HF Llama-style block (after Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", which counts the same for
+    GPT): the two norms' inputs (h each), the inputs of the q/k/v and gate/up linears (h each),
+    q, k, v (h + 2 kv), the attention output (h), and SwiGLU's gate, up, silu(gate) and their
+    product (4 f). Tensor parallelism splits everything inside its region; sequence parallelism
+    also the norms' inputs (the gathered linear inputs stay whole: torch's SequenceParallel
+    saves the all-gathered tensor). Context parallelism splits every token-wise tensor, but the
+    all-gathered keys and values are kept whole.
+    """
+    h, t = shape.hidden, v.tp
+    kv = shape.kv_heads * shape.head_dim
+    q = shape.heads * shape.head_dim
+    if shape.is_moe:
+        # routed tokens: top_k copies of the token through an expert's SwiGLU, plus the router
+        f = shape.top_k * shape.moe_intermediate * shape.moe_layers.__len__() / shape.layers
+        f += shape.intermediate * (shape.layers - len(shape.moe_layers)) / shape.layers
+        f_extra = shape.top_k * h * len(shape.moe_layers) / shape.layers  # dispatched inputs
+    else:
+        f, f_extra = shape.intermediate, 0.0
+    norms = 2 * h / (t if v.sp else 1)
+    linear_in = 2 * h
+    inside = (q + q + 4 * f + f_extra) / t  # q, attention output, the MLP
+    kv_full = 2 * kv / t * v.cp  # K/V all-gathered over cp, kept whole
+    return dtype * ((norms + linear_in + inside) / v.cp + kv_full / v.cp)
+
+
+def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: set, n_stages: int,
+                     dtype: int) -> float:
+    """Activations live at the peak of one pp rank's step."""
+    mbs, n_micro = microbatches(v, setup)
+    tokens = mbs * setup.seq_len  # per micro-batch, before cp splits it
+    layers = sum(1 for x in held if isinstance(x, int))
+    per_layer_full = act_bytes_per_token_layer(shape, v, dtype) * tokens
+    if v.ac:
+        # only each block's input is kept; one block's activations come back in its backward
+        per_layer = dtype * tokens * shape.hidden / v.cp / (v.tp if v.sp else 1)
+        peak_extra = per_layer_full
+    else:
+        per_layer, peak_extra = per_layer_full, 0.0
+    if v.pp > 1:
+        inflight_mult = SCHEDULES.get(v.schedule, (1, False, 1.0, 1.0))[3]
+        chunks = max(n_stages, 1)
+        if inflight_mult is None:
+            inflight = n_micro  # all forwards before any backward
+        else:
+            # 1F1B: stage 0 holds pp microbatches; interleaved: pp (1 + (pp - 1) / (pp v)) of
+            # its first chunk's worth (Narayanan et al. 2021), spread over its chunks
+            inflight = min(n_micro, v.pp) * (1 + (v.pp - 1) / (v.pp * chunks)) \
+                if chunks > 1 else min(n_micro, v.pp)
+        body = per_layer * layers / chunks * inflight if chunks > 1 else per_layer * layers \
+            * inflight
+    else:
+        body = per_layer * layers
+    logits = 0.0
+    if "last" in held:
+        # the head's logits (compute dtype), their fp32 copy and cross-entropy's fp32 softmax
+        vocab = shape.vocab / (v.tp if v.loss_parallel else 1)
+        logits = tokens / v.cp * vocab * (dtype + 8)
+    embed = tokens / v.cp * shape.hidden * dtype if "first" in held else 0.0
+    return body + peak_extra + logits + embed
+
+
+def buffer_bytes(shape: ModelShape, v: PlanView, dtype: int) -> float:
+    """Transient buffers: FSDP's all-gathered block (current and prefetched) and one block's
+    unsharded gradients before the reduce-scatter; a ddp bucket pair otherwise."""
+    block_numel = held_numel(shape, {0}, _unsharded(v))
+    if v.strategy in ("fully_shard", "sharded"):
+        return block_numel * (2 * dtype + 4)
+    if v.strategy == "replicate":
+        return 2 * 25 * 2**20
+    return 0.0
+
+
+def _unsharded(v: PlanView) -> PlanView:
+    import attrs
+
+    return attrs.evolve(v, strategy=None)
