@@ -65,6 +65,7 @@ def head_flops_per_token(shape: ModelShape) -> float:
     return 2 * shape.vocab * shape.hidden
 
 
+@functools.cache
 def model_flops_per_token(shape: ModelShape, seq: int) -> float:
     """Training FLOPs per token as MFU is usually reported (PaLM / torchtitan convention:
     6 x the non-embedding matmul parameters a token meets + 12 x layers x heads x head_dim x
@@ -102,20 +103,24 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     e = efficiency(shape, v, eff)
     ranks = stage_layers(shape, v)
 
-    def stage_flops(held: set) -> float:
-        kinds = [layer_kind(shape, i) for i in held if isinstance(i, int)]
-        f = sum(_kind_flops(shape, seq, k) for k in kinds)
+    def stage_flops(held) -> float:
+        f = sum(n * _kind_flops(shape, seq, k) for k, n in held.kinds
+                if k not in ("first", "last"))
         if "last" in held:
             f += head_flops_per_token(shape)
         return f
 
-    flops = [stage_flops(held) for held, _ in ranks]
+    per_held: dict = {}
+    for held, _ in ranks:
+        if held not in per_held:
+            per_held[held] = stage_flops(held)
+    flops = [per_held[held] for held, _ in ranks]
     worst = max(range(len(ranks)), key=lambda i: flops[i])
     held, n_chunks = ranks[worst]
     rank_flops = flops[worst] * tokens * n_micro * passes / (v.tp * v.cp)
     compute = rank_flops / (gpu.peak_flops * e)
     per_micro = compute / n_micro
-    layers = sum(1 for x in held if isinstance(x, int))
+    layers = held.layers
     bwd_last = per_micro * (passes - 1) / passes  # the last micro-batch's backward
     exposed: dict[str, float] = {}
 
@@ -138,7 +143,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         one = _collective("all_gather", v.cp, s, v.group_crosses_nodes("cp"), gpu, eff)
         add("cp", one * (passes - 1) * layers * n_micro)
     # expert parallelism: dispatch and combine, forward (+ recomputed) and backward
-    moe_here = sum(1 for i in held if isinstance(i, int) and i in shape.moe_layers)
+    moe_here = held.count("moe")
     if v.ep > 1 and moe_here:
         s = tokens / v.cp * shape.top_k * shape.hidden * cb
         one = _collective("all_to_all", v.ep, s, v.group_crosses_nodes("ep"), gpu, eff)

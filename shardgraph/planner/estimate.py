@@ -84,27 +84,39 @@ def model_violations(shape: ModelShape, v: PlanView, setup: Setup) -> list[Viola
     return bad
 
 
-def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
-             eff: Efficiency | None = None) -> dict[str, Any]:
-    """The estimate of one plan view (no checks): the worst pp rank's memory and the step."""
-    eff = eff or Efficiency()
+def memory_of(shape: ModelShape, v: PlanView, setup: Setup) -> tuple[dict[str, int], int]:
+    """The worst pp rank's memory (bytes by kind, and ``total``) and that rank's index."""
     act_dtype = v.compute_bytes or shape.param_bytes
     states = state_bytes(shape, v, setup)
-    ranks = stage_layers(shape, v)
     buffers = buffer_bytes(shape, v, act_dtype)
-    rows = []
-    for (held, chunks), st in zip(ranks, states):
-        act = activation_bytes(shape, v, setup, held, chunks, act_dtype)
+    rows, seen = [], {}
+    for (held, chunks), st in zip(stage_layers(shape, v), states):
+        if (held, chunks) not in seen:  # the middle ranks of a pipeline hold alike
+            seen[held, chunks] = activation_bytes(shape, v, setup, held, chunks, act_dtype)
+        act = seen[held, chunks]
         on_gpu = 0 if v.cpu_offload else st["params"] + st["grads"] + st["optimizer"]
         rows.append((on_gpu + act + buffers, st, act))
     worst = max(range(len(rows)), key=lambda i: rows[i][0])
-    total, st, act = rows[worst]
+    _, st, act = rows[worst]
     offloaded = v.cpu_offload
     memory = {"params": 0 if offloaded else st["params"],
               "grads": 0 if offloaded else st["grads"],
               "optimizer": 0 if offloaded else st["optimizer"],
               "activations": int(act), "buffers": int(buffers)}
     memory["total"] = sum(memory.values())
+    return memory, worst
+
+
+def fits(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU) -> bool:
+    return memory_of(shape, v, setup)[0]["total"] <= USABLE_HBM * gpu.hbm_bytes
+
+
+def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
+             eff: Efficiency | None = None) -> dict[str, Any]:
+    """The estimate of one plan view (no checks): the worst pp rank's memory and the step."""
+    eff = eff or Efficiency()
+    memory, worst = memory_of(shape, v, setup)
+    offloaded = v.cpu_offload
     timing = step_time(shape, v, setup, gpu, eff)
     t = timing["step_time_s"]
     tokens = setup.global_batch * setup.seq_len

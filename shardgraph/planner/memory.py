@@ -13,9 +13,11 @@ final norm and the LM head.
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 
-import functools
+import attrs
 
 from .shape import ModelShape, Param, kind_params, layer_kind
 from .view import SCHEDULES, PlanView, Setup
@@ -38,21 +40,43 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> 
     return out
 
 
-def stage_layers(shape: ModelShape, v: PlanView) -> list[tuple[set, int]]:
-    """For each pp rank: (the layer indices and "first"/"last" it holds, its stage count)."""
-    if v.pp == 1:
-        return [(set(range(shape.layers)) | {"first", "last"}, 1)]
+@attrs.frozen(cache_hash=True)
+class Held:
+    """What one pp rank holds: how many blocks of each kind ("dense", "moe") and the extras
+    ("first": the embedding, "last": the final norm and LM head), each counted once."""
+
+    kinds: tuple[tuple[str, int], ...]
+
+    def __contains__(self, kind: str) -> bool:
+        return any(k == kind for k, _ in self.kinds)
+
+    def count(self, kind: str) -> int:
+        return sum(n for k, n in self.kinds if k == kind)
+
+    @property
+    def layers(self) -> int:
+        return sum(n for k, n in self.kinds if k not in ("first", "last"))
+
+
+def stage_layers(shape: ModelShape, v: PlanView) -> list[tuple[Held, int]]:
+    """For each pp rank: (what it holds, its stage count)."""
     v_shape = SCHEDULES.get(v.schedule, (1, False))[1]
-    n_stages = v.pp * v.stages_per_rank
-    ranges = split_layers(shape.layers, n_stages, v.layers_per_stage)
-    ranks: list[tuple[set, int]] = [(set(), 0) for _ in range(v.pp)]
+    return _stage_layers(shape, v.pp, v.stages_per_rank, v_shape, v.layers_per_stage)
+
+
+@functools.cache
+def _stage_layers(shape: ModelShape, pp: int, per_rank: int, v_shape: bool,
+                  layers_per_stage: int | None) -> list[tuple[Held, int]]:
+    n_stages = pp * per_rank if pp > 1 else 1
+    ranges = split_layers(shape.layers, n_stages, layers_per_stage)
+    ranks: list[tuple[collections.Counter, int]] = [(collections.Counter(), 0) for _ in range(pp)]
     for s, layers in enumerate(ranges):
-        r = (s if s < v.pp else 2 * v.pp - 1 - s) if v_shape else s % v.pp
+        r = (s if s < pp else 2 * pp - 1 - s) if v_shape else s % pp
         held, count = ranks[r]
-        held |= set(layers) | ({"first"} if s == 0 else set()) | (
-            {"last"} if s == n_stages - 1 else set())
+        held.update(layer_kind(shape, i) for i in layers)
+        held.update((["first"] if s == 0 else []) + (["last"] if s == n_stages - 1 else []))
         ranks[r] = (held, count + 1)
-    return ranks
+    return [(Held(tuple(sorted(c.items()))), n) for c, n in ranks]
 
 
 def _chunk(n: int, parts: int) -> int:
@@ -86,20 +110,22 @@ def _kind_numel(shape: ModelShape, kind: str, v: PlanView, experts: bool | None)
                if experts is None or p.expert == experts)
 
 
-def held_numel(shape: ModelShape, held: set, v: PlanView, experts: bool | None = None) -> int:
+def held_numel(shape: ModelShape, held: Held, v: PlanView, experts: bool | None = None) -> int:
     """Elements this rank holds of the layers and extras in ``held`` (``experts``: only the
     routed experts' (True), only the rest (False), or all (None))."""
-    return sum(_kind_numel(shape, layer_kind(shape, x), v, experts) for x in held)
+    return sum(n * _kind_numel(shape, kind, v, experts) for kind, n in held.kinds)
 
 
 def state_bytes(shape: ModelShape, v: PlanView, setup: Setup) -> list[dict[str, int]]:
     """params / grads / optimizer bytes on each pp rank (rank 0 of its other groups)."""
-    out = []
+    out, seen = [], {}
     for held, _ in stage_layers(shape, v):
-        n = held_numel(shape, held, v)
-        b = n * shape.param_bytes
-        out.append({"params": b, "grads": b, "optimizer": setup.optimizer_states * b,
-                    "numel": n})
+        if held not in seen:
+            n = held_numel(shape, held, v)
+            b = n * shape.param_bytes
+            seen[held] = {"params": b, "grads": b, "optimizer": setup.optimizer_states * b,
+                          "numel": n}
+        out.append(seen[held])
     return out
 
 
@@ -140,12 +166,12 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     return dtype * ((norms + linear_in + inside) / v.cp + kv_full / v.cp)
 
 
-def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: set, n_stages: int,
+def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,
                      dtype: int) -> float:
     """Activations live at the peak of one pp rank's step."""
     mbs, n_micro = microbatches(v, setup)
     tokens = mbs * setup.seq_len  # per micro-batch, before cp splits it
-    layers = sum(1 for x in held if isinstance(x, int))
+    layers = held.layers
     per_layer_full = act_bytes_per_token_layer(shape, v, dtype) * tokens
     if v.ac:
         # only each block's input is kept; one block's activations come back in its backward
@@ -179,7 +205,7 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: set, n_
 def buffer_bytes(shape: ModelShape, v: PlanView, dtype: int) -> float:
     """Transient buffers: FSDP's all-gathered block (current and prefetched) and one block's
     unsharded gradients before the reduce-scatter; a ddp bucket pair otherwise."""
-    block_numel = held_numel(shape, {0}, _unsharded(v))
+    block_numel = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), _unsharded(v))
     if v.strategy in ("fully_shard", "sharded"):
         return block_numel * (2 * dtype + 4)
     if v.strategy == "replicate":

@@ -61,7 +61,7 @@ class Param:
         return math.prod(self.shape)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class ModelShape:
     architecture: str
     vocab: int
@@ -92,14 +92,20 @@ class ModelShape:
 
     @property
     def n_params(self) -> int:
-        return sum(p.numel for p in self.params())
+        return _counts(self)[0]
 
     def active_params_per_token(self) -> int:
         """Parameters one token's forward multiplies by (top-k experts of each MoE layer)."""
-        total = 0
-        for p in self.params():
-            total += p.numel * self.top_k // self.experts if p.expert else p.numel
-        return total
+        return _counts(self)[1]
+
+
+@functools.cache
+def _counts(m: ModelShape) -> tuple[int, int]:
+    total = active = 0
+    for p in m.params():
+        total += p.numel
+        active += p.numel * m.top_k // m.experts if p.expert else p.numel
+    return total, active
 
 
 def layer_kind(m: ModelShape, layer: int | str) -> str:

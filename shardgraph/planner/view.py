@@ -35,7 +35,7 @@ class Setup:
     optimizer_states: int  # per parameter: AdamW 2, SGD with momentum 1, plain SGD 0
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class PlanView:
     world: int
     gpus_per_node: int
