@@ -71,7 +71,7 @@ def _estimate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .estimate import estimate, load
+    from .predict import estimate, load
 
     pipeline = load(args.file)
     est = estimate(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
@@ -90,7 +90,7 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_auto(args: argparse.Namespace) -> int:
-    from .estimate import load
+    from .predict import load
     from .search import autoplan, render_candidates
 
     if args.top < 1:

@@ -34,13 +34,24 @@ from .shape import ModelShape, layer_kind
 from .view import SCHEDULES, PlanView, Setup
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Efficiency:
-    """Fitted constants (``calibration.py``): matmul efficiency curve, communication."""
+    """Fitted constants (``calibration.py``): the matmul efficiency curve's ceiling per GPU and
+    its knee, and the fraction of link bandwidth collectives reach."""
 
-    e_max: float = 0.6
+    #: (GPU preset, e_max); a GPU without measurements uses ``fallback``'s
+    e_max: tuple[tuple[str, float], ...] = (("A100-80GB", 0.6), ("H100-SXM", 0.5))
     x0: float = 300.0
     comm_eff: float = 0.7
+    fallback: str = "H100-SXM"
+
+    def ceiling(self, gpu: str) -> float:
+        table = dict(self.e_max)
+        # H200 is H100's compute die with more and faster HBM
+        return table.get(gpu, table.get("H100-SXM" if gpu == "H200" else self.fallback, 0.5))
+
+    def calibrated(self, gpu: str) -> bool:
+        return gpu in dict(self.e_max) or gpu == "H200"
 
 
 def layer_flops_per_token(shape: ModelShape, seq: int, layer: int) -> float:
@@ -51,7 +62,7 @@ def layer_flops_per_token(shape: ModelShape, seq: int, layer: int) -> float:
     if layer in shape.moe_layers:
         mlp = 3 * h * shape.moe_intermediate * shape.top_k + h * shape.experts  # + router
     else:
-        mlp = 3 * h * shape.intermediate
+        mlp = (3 if shape.gated else 2) * h * shape.intermediate
     return 2 * (attn + mlp) + 2 * seq * q
 
 
@@ -75,9 +86,9 @@ def model_flops_per_token(shape: ModelShape, seq: int) -> float:
         shape.heads * shape.head_dim * seq
 
 
-def efficiency(shape: ModelShape, v: PlanView, eff: Efficiency) -> float:
+def efficiency(shape: ModelShape, v: PlanView, eff: Efficiency, gpu: str) -> float:
     x = shape.hidden / v.tp
-    return eff.e_max * x / (x + eff.x0)
+    return eff.ceiling(gpu) * x / (x + eff.x0)
 
 
 def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
@@ -100,7 +111,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     cb = v.compute_bytes or shape.param_bytes  # activations and gathered parameters
     rb = v.reduce_bytes or v.compute_bytes or shape.param_bytes
     passes = 4 if v.ac else 3  # forward + backward (2x) + recomputed forward
-    e = efficiency(shape, v, eff)
+    e = efficiency(shape, v, eff, gpu.name)
     ranks = stage_layers(shape, v)
 
     def stage_flops(held) -> float:

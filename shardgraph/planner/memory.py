@@ -158,7 +158,9 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
         f += shape.intermediate * (shape.layers - len(shape.moe_layers)) / shape.layers
         f_extra = shape.top_k * h * len(shape.moe_layers) / shape.layers  # dispatched inputs
     else:
-        f, f_extra = shape.intermediate, 0.0
+        # SwiGLU keeps gate, up, silu(gate), product (4 f); a GELU MLP its fc1 output and the
+        # GELU's (2 f)
+        f, f_extra = shape.intermediate * (1 if shape.gated else 0.5), 0.0
     norms = 2 * h / (t if v.sp else 1)
     linear_in = 2 * h
     inside = (q + q + 4 * f + f_extra) / t  # q, attention output, the MLP
@@ -195,25 +197,38 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         body = per_layer * layers
     logits = 0.0
     if "last" in held:
-        # the head's logits (compute dtype), their fp32 copy and cross-entropy's fp32 softmax
+        # the loss's peak, in its backward: the head's logits (compute dtype), cross-entropy's
+        # saved fp32 log-softmax, the fp32 gradient of the logits and its cast back
         vocab = shape.vocab / (v.tp if v.loss_parallel else 1)
-        logits = tokens / v.cp * vocab * (dtype + 8)
+        logits = tokens / v.cp * vocab * (2 * dtype + 8)
     embed = tokens / v.cp * shape.hidden * dtype if "first" in held else 0.0
     return body + peak_extra + logits + embed
 
 
-def buffer_bytes(shape: ModelShape, v: PlanView, dtype: int) -> float:
-    """Transient buffers: FSDP's all-gathered block (current and prefetched) and one block's
-    unsharded gradients before the reduce-scatter; a ddp bucket pair otherwise."""
-    block_numel = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), _unsharded(v))
-    if v.strategy in ("fully_shard", "sharded"):
-        return block_numel * (2 * dtype + 4)
+def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
+                 dtype: int) -> float:
+    """Unsharded copies a data-parallel strategy keeps besides the shards.
+
+    fully_shard (FSDP2): the gathered parameters of the block running and the one prefetched,
+    or, when parameters are not resharded after forward (fsdp2's default under pp), every
+    block of this rank from its forward to its backward; one block's unsharded gradients
+    before their reduce-scatter, or, when the reduction is deferred to the last of several
+    micro-batches (``defer_fsdp_grad_sync``, the default), every block's, accumulated in the
+    reduce dtype. ddp: a pair of 25 MiB gradient buckets.
+    """
     if v.strategy == "replicate":
         return 2 * 25 * 2**20
-    return 0.0
+    if v.strategy not in ("fully_shard", "sharded"):
+        return 0.0
+    whole = _unsharded(v)
+    dense = held_numel(shape, held, whole, False if v.ep > 1 else None)
+    block = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), whole)
+    reduce = v.reduce_bytes or shape.param_bytes
+    params = dense * dtype if not v.reshard_after_forward else 2 * block * dtype
+    _, n_micro = microbatches(v, setup)
+    grads = dense * reduce if v.defer_grad_sync and n_micro > 1 else block * reduce
+    return float(params + grads)
 
 
 def _unsharded(v: PlanView) -> PlanView:
-    import attrs
-
     return attrs.evolve(v, strategy=None)

@@ -27,7 +27,7 @@ import attrs
 
 from ..core.errors import PlanError, Violation
 from .cost import Efficiency
-from .estimate import batch_violations, context, evaluate, fits, model_violations, setup_of
+from .predict import batch_violations, context, evaluate, fits, model_violations, setup_of
 from .memory import state_bytes
 from .shape import ModelShape, model_shape
 from .view import SCHEDULES, PlanView, Setup, plan_view
@@ -177,7 +177,7 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
         if world % tp:
             continue
         probe = PlanView(world, gpn, 1, 1, world // tp, 1, tp, 1, "fully_shard", False, False,
-                         False, 0, 0, True, False, None, 1, None, None)
+                         False, 0, 0, True, False, True, None, 1, None, None)
         if model_violations(shape, probe, setup):
             continue
         for cp in _divisors(world // tp):
@@ -207,7 +207,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     """The best ``top`` plans for ``pipeline``'s model on ``world_size`` GPUs, best first:
     ``{"candidates": [estimate + pipeline], "searched": counts, "why": [...]}``."""
     from .calibration import FITTED
-    from .estimate import load
+    from .predict import load
 
     began = time.perf_counter()
     eff = efficiency or FITTED

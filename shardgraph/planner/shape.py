@@ -82,6 +82,8 @@ class ModelShape:
     moe_layers: tuple[int, ...] = ()
     #: bytes per element the parameters are created in (model.dtype)
     param_bytes: int = 4
+    #: SwiGLU (gate, up, down) or a plain two-matrix MLP (GPT: fc1, GELU, fc2)
+    gated: bool = True
 
     @property
     def is_moe(self) -> bool:
@@ -148,8 +150,8 @@ def _params(m: ModelShape) -> list[Param]:
                     Param(pre + "mlp.experts.down_proj", (e, h, f), 2, i, expert=True)]
         else:
             f = m.intermediate
-            for name, shape, dim in (("gate_proj", (f, h), 0), ("up_proj", (f, h), 0),
-                                     ("down_proj", (h, f), 1)):
+            mats = (("gate_proj", (f, h), 0), ("up_proj", (f, h), 0), ("down_proj", (h, f), 1))
+            for name, shape, dim in mats if m.gated else mats[1:]:
                 out.append(Param(pre + "mlp." + name + ".weight", shape, dim, i))
                 if m.mlp_bias:
                     out.append(Param(pre + "mlp." + name + ".bias", (shape[0],),

@@ -53,6 +53,8 @@ class PlanView:
     reduce_bytes: int
     reshard_after_forward: bool
     cpu_offload: bool
+    #: gradients reduced once per step, after the last micro-batch (fsdp2's default)
+    defer_grad_sync: bool
     schedule: str | None
     stages_per_rank: int
     microbatch_size: int | None  # pp's
@@ -132,6 +134,7 @@ def plan_view(plan) -> PlanView:
         # fsdp2's default: resharded after forward, except under pp (SPEC, fsdp2 options)
         reshard_after_forward=(lay.pp == 1) if rafp is None else bool(rafp),
         cpu_offload=bool(getattr(dp_opts, "cpu_offload", False)),
+        defer_grad_sync=bool(getattr(dp_opts, "defer_fsdp_grad_sync", True)),
         schedule=sched, stages_per_rank=per_rank,
         microbatch_size=getattr(pp, "microbatch_size", None) if lay.pp > 1 else None,
         layers_per_stage=getattr(pp, "layers_per_stage", None) if lay.pp > 1 else None,

@@ -88,16 +88,16 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup) -> tuple[dict[str, i
     """The worst pp rank's memory (bytes by kind, and ``total``) and that rank's index."""
     act_dtype = v.compute_bytes or shape.param_bytes
     states = state_bytes(shape, v, setup)
-    buffers = buffer_bytes(shape, v, act_dtype)
     rows, seen = [], {}
     for (held, chunks), st in zip(stage_layers(shape, v), states):
         if (held, chunks) not in seen:  # the middle ranks of a pipeline hold alike
-            seen[held, chunks] = activation_bytes(shape, v, setup, held, chunks, act_dtype)
-        act = seen[held, chunks]
+            seen[held, chunks] = (activation_bytes(shape, v, setup, held, chunks, act_dtype),
+                                  buffer_bytes(shape, v, setup, held, act_dtype))
+        act, buffers = seen[held, chunks]
         on_gpu = 0 if v.cpu_offload else st["params"] + st["grads"] + st["optimizer"]
-        rows.append((on_gpu + act + buffers, st, act))
+        rows.append((on_gpu + act + buffers, st, act, buffers))
     worst = max(range(len(rows)), key=lambda i: rows[i][0])
-    _, st, act = rows[worst]
+    _, st, act, buffers = rows[worst]
     offloaded = v.cpu_offload
     memory = {"params": 0 if offloaded else st["params"],
               "grads": 0 if offloaded else st["grads"],
@@ -140,7 +140,9 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                     "source": gpu.source},
             "usable_hbm_fraction": USABLE_HBM,
             "matmul_efficiency": timing["efficiency"],
-            "efficiency_curve": {"e_max": eff.e_max, "x0": eff.x0, "comm_eff": eff.comm_eff},
+            "efficiency_curve": {"e_max": eff.ceiling(gpu.name), "x0": eff.x0,
+                                 "comm_eff": eff.comm_eff,
+                                 "calibrated_on_this_gpu": eff.calibrated(gpu.name)},
             "cpu_offload": offloaded,
             "not_priced": list(v.unknown),
             "model": {"architecture": shape.architecture, "parameters": shape.n_params,
