@@ -221,10 +221,14 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     counts = {"layouts": 0, "estimated": 0, "fit": 0, "compiled": 0, "refused": 0}
     scored: list[tuple[float, Candidate, dict[str, Any]]] = []
 
+    def setup_for(c: Candidate) -> Setup:
+        # train.micro_batch_size is the candidate's, except under pp (its own microbatches)
+        return attrs.evolve(setup, micro_batch=c.micro_batch if c.pp == 1 else None)
+
     def score(c: Candidate) -> dict[str, Any] | None:
         v = _view(base_view, c, world_size, gpn, rafp)
         counts["estimated"] += 1
-        est = evaluate(shape, v, setup, chip, eff)
+        est = evaluate(shape, v, setup_for(c), chip, eff)
         if not est["fits"]:
             return None
         counts["fit"] += 1
@@ -235,13 +239,13 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
         counts["layouts"] += 1
         view0 = _view(base_view, attrs.evolve(cand, micro_batch=max(sizes)), world_size, gpn,
                       rafp)
-        if sum(state_bytes(shape, view0, setup)[0][k] for k in ("params", "grads",
+        if sum(state_bytes(shape, view0, setup_for(cand))[0][k] for k in ("params", "grads",
                                                                  "optimizer")) > limit:
             continue  # the states alone do not fit: no micro-batch helps
 
         def fit(m: int, cand=cand) -> bool:
-            v = _view(base_view, attrs.evolve(cand, micro_batch=m), world_size, gpn, rafp)
-            return fits(shape, v, setup, chip)
+            c = attrs.evolve(cand, micro_batch=m)
+            return fits(shape, _view(base_view, c, world_size, gpn, rafp), setup_for(c), chip)
 
         for m in _micro_choices(sizes, fit):
             score(attrs.evolve(cand, micro_batch=m))
@@ -268,7 +272,8 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             continue
         counts["compiled"] += 1
         v = plan_view(plan)
-        if batch_violations(v, setup, "world_size") or model_violations(shape, v, setup):
+        if batch_violations(v, setup_for(cand), "world_size") or \
+                model_violations(shape, v, setup):
             counts["refused"] += 1
             continue
         results.append(_row(cand, est, base, world_size, gpn))

@@ -1,0 +1,221 @@
+"""``shardgraph estimate``, ``shardgraph plan --auto`` and their Python entry points: keys,
+consistency with the compiler, what the cost model must get right qualitatively, speed, and
+that the planner imports neither torch nor transformers."""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import shardgraph
+from shardgraph import PlanError
+from shardgraph.cli import main
+from shardgraph.planner.predict import estimate
+from shardgraph.planner.search import autoplan
+
+LLAMA_70B = """
+[model]
+architecture = "LlamaForCausalLM"
+[model.config]
+vocab_size = 128256
+hidden_size = 8192
+intermediate_size = 28672
+num_hidden_layers = 80
+num_attention_heads = 64
+num_key_value_heads = 8
+[data]
+seq_len = 8192
+[train]
+global_batch_size = 1024
+micro_batch_size = 1
+optimizer = "adamw"
+[plugins.mixed_precision]
+"""
+TINY = """
+[model]
+architecture = "LlamaForCausalLM"
+[model.config]
+hidden_size = 64
+num_hidden_layers = 4
+[data]
+seq_len = 32
+[train]
+global_batch_size = 16
+optimizer = "adamw"
+[plugins.mixed_precision]
+"""
+KEYS = {"memory_bytes_per_rank", "step_time_s", "breakdown_s", "tokens_per_s_per_gpu", "mfu",
+        "fits", "assumptions"}
+
+
+def est(plan: str, world: int, base: str = LLAMA_70B, **kw):
+    return estimate(base + plan, world, **kw)
+
+
+def test_estimate_keys_and_totals():
+    e = est("[plugins.fsdp2]\n[plugins.tp]\nsize = 8\n[plugins.sp]\n"
+            "[plugins.activation_checkpointing]\n", 512)
+    assert KEYS <= set(e)
+    mem = e["memory_bytes_per_rank"]
+    assert set(mem) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    b = e["breakdown_s"]
+    assert set(b) == {"compute", "optimizer", "pipeline_bubble", "exposed_comm"}
+    assert set(b["exposed_comm"]) <= {"tp", "dp_shard"} and b["exposed_comm"]["tp"] > 0
+    total = b["compute"] + b["optimizer"] + b["pipeline_bubble"] + sum(b["exposed_comm"].values())
+    assert e["step_time_s"] == pytest.approx(total)
+    assert e["tokens_per_s_per_gpu"] == pytest.approx(1024 * 8192 / e["step_time_s"] / 512)
+    assert 0.2 < e["mfu"] < 0.7 and e["fits"]
+    assert e["assumptions"]["gpu"]["name"] == "H100-SXM"
+
+
+def test_what_the_model_must_get_right():
+    ac = "[plugins.activation_checkpointing]\n"
+    base = "[plugins.fsdp2]\n[plugins.tp]\nsize = 8\n"
+    act = lambda e: e["memory_bytes_per_rank"]["activations"]  # noqa: E731
+    plain, with_ac = est(base, 512), est(base + ac, 512)
+    assert act(with_ac) < act(plain) / 2  # block inputs, one block, the logits
+    assert with_ac["breakdown_s"]["compute"] > plain["breakdown_s"]["compute"] * 1.3
+    assert act(est(base + "[plugins.sp]\n", 512)) < act(plain)
+    # GPipe keeps every micro-batch in flight, 1F1B at most pp of them
+    pp = "[plugins.pp]\nsize = 4\nschedule = '{}'\n"
+    gpipe = est(base + ac + pp.format("gpipe"), 512)
+    one_f = est(base + ac + pp.format("1f1b"), 512)
+    inter = est(base + ac + pp.format("interleaved_1f1b"), 512)
+    assert act(gpipe) > 2 * act(one_f)
+    assert inter["breakdown_s"]["pipeline_bubble"] < one_f["breakdown_s"]["pipeline_bubble"]
+    # tp across nodes is refused; inside a node its traffic rides NVLink, dp crosses nodes
+    assert "dp_shard" in one_f["breakdown_s"]["exposed_comm"]
+    # more GPUs: a smaller share of the states
+    small, big = est(base + ac, 256), est(base + ac, 1024)
+    assert big["memory_bytes_per_rank"]["params"] < small["memory_bytes_per_rank"]["params"]
+    # a faster GPU is faster; a larger one fits what a smaller one does not
+    fsdp = "[plugins.fsdp2]\n"
+    assert not est(fsdp, 16)["fits"] and est(fsdp, 16, gpu="B200")["step_time_s"] < \
+        est(fsdp, 16)["step_time_s"]
+
+
+def test_cluster_table_overrides_the_preset():
+    text = LLAMA_70B + "[plugins.fsdp2]\n[cluster]\ngpu = \"A100-80GB\"\nnetwork_gbps = 100\n"
+    e = estimate(text, 256)
+    assert e["assumptions"]["gpu"]["name"] == "A100-80GB"
+    assert e["assumptions"]["gpu"]["network_gbps"] == 100
+    assert "overridden" in e["assumptions"]["gpu"]["source"]
+    with pytest.raises(PlanError) as err:
+        estimate(LLAMA_70B + "[plugins.fsdp2]\n[cluster]\nnetwrok_gbps = 1\n", 256)
+    assert err.value.key == "cluster.netwrok_gbps" and "network_gbps" in str(err.value)
+    with pytest.raises(PlanError) as err:
+        estimate(LLAMA_70B + "[plugins.fsdp2]\n", 256, gpu="H300")
+    assert err.value.key == "world_size" or err.value.keys[0] == "--gpu"
+
+
+def test_estimate_refuses_what_the_model_or_batch_refuses():
+    with pytest.raises(PlanError) as err:
+        est("[plugins.fsdp2]\n[plugins.tp]\nsize = 3\n", 24, gpus_per_node=24)
+    assert "tp-divisible" in err.value.rules
+    with pytest.raises(PlanError) as err:
+        est("[plugins.fsdp2]\n", 3)
+    assert err.value.rule == "batch"
+
+
+def test_cli_estimate_text_and_json(tmp_path, capsys):
+    path = tmp_path / "p.toml"
+    path.write_text(LLAMA_70B + "[plugins.fsdp2]\n[plugins.tp]\nsize = 8\n"
+                    "[plugins.activation_checkpointing]\n")
+    assert main(["estimate", str(path), "--world-size", "256", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert KEYS <= set(data)
+    assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and "tokens/s per GPU" in out and "H200" in out
+    assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H2000"]) == 2
+    assert "did you mean 'H200'" in capsys.readouterr().err
+
+
+def test_autoplan_ranks_compiled_plans_best_first(tmp_path, capsys):
+    result = autoplan(TINY, 8, top=4, gpus_per_node=4)
+    rows = result["candidates"]
+    assert len(rows) == 4 and result["searched"]["compiled"] >= 4
+    speeds = [r["tokens_per_s_per_gpu"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True) and all(r["fits"] for r in rows)
+    assert len(result["why"]) == 3 and "slower" in result["why"][0]
+    # every candidate's pipeline table is a plan the compiler accepts, and estimating it as a
+    # file gives the same prediction the search made from its own view
+    from shardgraph.graphs.toml import graph_from_dict
+
+    for row in rows:
+        plan = graph_from_dict(row["pipeline"]).compile()
+        assert plan.world_size == 8
+        text = _as_file(TINY, row)
+        assert estimate(text, 8, gpus_per_node=4)["step_time_s"] == \
+            pytest.approx(row["step_time_s"])
+    # and dryrun applies the best one as it is
+    from shardgraph.train.config import loads_pipeline
+    from shardgraph.train.dryrun import dryrun
+
+    report = dryrun(loads_pipeline(_as_file(TINY, rows[0])), 8, 0)
+    assert report["bytes"]["parameters"] == rows[0]["memory_bytes_per_rank"]["params"] or \
+        rows[0]["sizes"]["pp"] > 1
+    path = tmp_path / "p.toml"
+    path.write_text(TINY)
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--gpus-per-node", "4",
+                 "--top", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["candidates"]) == 3 and "pipeline" in data["candidates"][0]
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--gpus-per-node", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "best plan:" in out and "why the next ones lose" in out
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--top", "0"]) == 2
+
+
+def _as_file(model: str, row) -> str:
+    lines = [ln for ln in model.splitlines() if not ln.startswith("[plugins.")]
+    text = "\n".join(lines) + "\n"
+    if "train" in row:
+        text = text.replace("[train]\n", f"[train]\nmicro_batch_size = "
+                            f"{row['train']['micro_batch_size']}\n")
+    for name, opts in row["pipeline"]["plugins"].items():
+        text += f"[plugins.{name}]\n" + "".join(
+            f"{k} = {json.dumps(v)}\n" for k, v in opts.items())
+    return text
+
+
+def test_no_plan_fits_is_a_plan_error():
+    with pytest.raises(PlanError) as err:
+        autoplan(LLAMA_70B.replace("1024", "8"), 8, gpu="A100-80GB")
+    assert err.value.rule == "no-plan"
+
+
+def test_python_entry_points_and_speed():
+    assert shardgraph.estimate is estimate and shardgraph.autoplan is autoplan
+    text = LLAMA_70B + "[plugins.fsdp2]\n[plugins.tp]\nsize = 8\n"
+    estimate(text, 1024)
+    began = time.process_time()
+    estimate(text, 1024)
+    assert time.process_time() - began < 0.5
+    began = time.process_time()
+    result = autoplan(LLAMA_70B, 4096)
+    spent = time.process_time() - began
+    print(f"plan --auto, 70B at world 4096: {spent:.2f} s of CPU, {result['searched']}")
+    assert result["searched"]["layouts"] > 1000
+    assert spent < 8  # about 2 s on an idle core
+
+
+def test_the_planner_imports_neither_torch_nor_transformers():
+    root = Path(shardgraph.__file__).parent / "planner"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert name.split(".")[0] not in ("torch", "transformers"), (path.name, name)
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                # inside shardgraph, only modules without torch at import: the plan and
+                # training-section readers, errors, options, the pp schedule table
+                assert node.module in ("core.errors", "core.options", "cli", "graphs.toml",
+                                       "train.config", "parallelisms.pp"), (path.name,
+                                                                            node.module)

@@ -1,0 +1,98 @@
+"""The planner against published measurements (``shardgraph/planner/published.toml``, every
+row cited): the efficiency constants are the fit on the ``fit`` rows, and the error on the
+``test`` rows (which the fit never saw) stays under the stated bounds.
+
+Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
+error 12.9% (bound 15%), no held-out row off by more than 45% (the worst: Llama 3 405B on
+16,384 GPUs, +41%, and torchtitan's 405B on 128 GPUs, +41%); held-out memory MAPE 26% on three
+rows (bound 35%). Run ``python -m shardgraph.planner.calibration`` for the full table.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from shardgraph.planner import calibration as cal
+
+TIME_MAPE_BOUND = 0.15
+TIME_ROW_BOUND = 0.45
+MEMORY_MAPE_BOUND = 0.35
+
+
+def test_every_row_is_cited_and_split():
+    import tomllib
+
+    data = tomllib.loads(cal.DATA.read_text())
+    for name, src in data["sources"].items():
+        assert src["url"].startswith("https://") and src["title"], name
+    splits = [r["split"] for r in data["run"]]
+    assert set(splits) == {"fit", "test"} and splits.count("test") >= 10
+    assert all(r["source"] in data["sources"] for r in data["run"])
+
+
+def test_fitted_constants_are_the_fit():
+    """No neighbour on the fit grid does better on the fit rows than the stored constants."""
+    fit_rows = [r for r in cal.rows() if r.split == "fit" and r.metric is not None]
+    here = cal._loss(cal.FITTED, fit_rows)
+
+    def step(values, value, by):
+        i = values.index(value) + by
+        return values[i] if 0 <= i < len(values) else None
+
+    neighbours = []
+    for by in (-1, 1):
+        for field in ("x0", "comm_eff"):
+            other = step(cal.GRID[field], getattr(cal.FITTED, field), by)
+            if other is not None:
+                neighbours.append(attrs.evolve(cal.FITTED, **{field: other}))
+        for i, (gpu, e) in enumerate(cal.FITTED.e_max):
+            other = step(cal.GRID["e_max"], e, by)
+            if other is not None:
+                table = list(cal.FITTED.e_max)
+                table[i] = (gpu, other)
+                neighbours.append(attrs.evolve(cal.FITTED, e_max=tuple(table)))
+    assert len(neighbours) >= 8
+    for eff in neighbours:
+        assert cal._loss(eff, fit_rows) >= here - 1e-12, eff
+
+
+def test_error_on_the_held_out_rows():
+    print("\n" + cal.report())
+    held = cal.errors(cal.FITTED, "test")
+    time_rows = [r for r in held if r["time_error"] is not None]
+    memory_rows = [r for r in held if r["memory_error"] is not None]
+    assert len(time_rows) >= 10 and len(memory_rows) >= 3
+    assert cal.mape(held, "time_error") < TIME_MAPE_BOUND
+    assert max(abs(r["time_error"]) for r in time_rows) < TIME_ROW_BOUND
+    assert cal.mape(held, "memory_error") < MEMORY_MAPE_BOUND
+
+
+def _pred(name: str) -> float:
+    row = next(r for r in cal.rows() if r.name == name)
+    return cal.predict(row, cal.FITTED)["step_s"] / (row.setup.global_batch
+                                                     * row.setup.seq_len)
+
+
+@pytest.mark.parametrize("better,worse", [
+    # Megatron-LM Table 2: PTD-P beats ZeRO-3 at equal size and GPU count (153 vs 144,
+    # 141 vs 44, 159 vs 48 TFLOP/s)
+    pytest.param("GPT 174.6B PTD-P t8 p12 384 GPUs", "GPT 174.6B ZeRO-3 384 GPUs mb 4",
+                 marks=pytest.mark.xfail(strict=True, reason="a near tie (153 vs 144 TFLOP/s) "
+                                         "the model gets wrong: it hides ZeRO-3's all-gathers "
+                                         "behind compute better than they were hidden")),
+    ("GPT 174.6B PTD-P t8 p12 1536 GPUs", "GPT 174.6B ZeRO-3 1536 GPUs mb 1"),
+    ("GPT 529.6B PTD-P t8 p35 2240 GPUs", "GPT 529.6B ZeRO-3 2240 GPUs mb 1"),
+])
+def test_published_better_layouts_are_predicted_better(better, worse):
+    """Seconds per token: the layout the source found faster is predicted faster."""
+    assert _pred(better) < _pred(worse)
+
+
+def test_interleaving_lowers_the_predicted_time_as_torchtitan_measured():
+    """torchtitan Table 5 (405B, 512 GPUs): interleaved 1F1B 128 vs 1F1B 100 tokens/s/GPU
+    (and 72.7 vs 82.5 GiB); the prediction orders both the same way."""
+    one = next(r for r in cal.rows() if r.name.endswith("1F1B (Table 5, memory)"))
+    inter = next(r for r in cal.rows() if r.name.endswith("interleaved (Table 5, memory)"))
+    p1, pi = cal.predict(one, cal.FITTED), cal.predict(inter, cal.FITTED)
+    assert pi["step_s"] < p1["step_s"] and pi["memory_gib"] < p1["memory_gib"]
