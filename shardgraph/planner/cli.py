@@ -48,7 +48,7 @@ def time_lines(est: dict[str, Any]) -> list[str]:
 
 def render_estimate(est: dict[str, Any]) -> str:
     s = est["sizes"]
-    head = ("plan: " + " x ".join(f"{k} {v}" for k, v in s.items() if v > 1) or "plan: 1 rank")
+    head = "plan: " + (" x ".join(f"{k} {v}" for k, v in s.items() if v > 1) or "one GPU")
     eff = est["assumptions"]
     return "\n".join([head, "", *memory_lines(est), "", *time_lines(est), "",
                       f"assumptions: {eff['gpu']['name']} {eff['gpu']['peak_bf16_tflops']:.0f} "

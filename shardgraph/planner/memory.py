@@ -154,6 +154,7 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     q = shape.heads * shape.head_dim
     if shape.is_moe:
         # routed tokens: top_k copies of the token through an expert's SwiGLU, plus the router
+        # (HF's MoE layers drop no token: no capacity factor, every routed copy is computed)
         f = shape.top_k * shape.moe_intermediate * shape.moe_layers.__len__() / shape.layers
         f += shape.intermediate * (shape.layers - len(shape.moe_layers)) / shape.layers
         f_extra = shape.top_k * h * len(shape.moe_layers) / shape.layers  # dispatched inputs

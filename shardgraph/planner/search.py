@@ -27,7 +27,15 @@ import attrs
 
 from ..core.errors import PlanError, Violation
 from .cost import Efficiency
-from .predict import batch_violations, context, evaluate, fits, model_violations, setup_of
+from .predict import (
+    USABLE_HBM,
+    batch_violations,
+    context,
+    evaluate,
+    fits,
+    model_violations,
+    setup_of,
+)
 from .memory import state_bytes
 from .shape import ModelShape, model_shape
 from .view import SCHEDULES, PlanView, Setup, plan_view
@@ -86,10 +94,9 @@ class Candidate:
 
 def _base_view(pipeline, world: int, gpn: int) -> tuple[PlanView, dict[str, dict[str, Any]]]:
     """Options of the user's plan that the search keeps: precision, fsdp2's options, ..."""
-    raw = pipeline.raw.get("plugins", {}) if isinstance(pipeline.raw.get("plugins"), dict) \
-        else {}
-    base = {k: {o: v for o, v in (opts or {}).items() if o != "size"}
-            for k, opts in raw.items() if isinstance(opts, dict)}
+    # the graph's entries: the same for the [plugins] and the [distributed] form
+    base = {e.name: {o: v for o, v in e.options.items() if o != "size"}
+            for e in pipeline.graph.entries}
     graph = _graph(pipeline, Candidate("fsdp2"), base, world, gpn, None)
     try:
         view = plan_view(graph.compile(world_size=world, gpus_per_node=gpn))
@@ -217,7 +224,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     setup = setup_of(pipeline)
     base_view, base = _base_view(pipeline, world_size, gpn)
     rafp = base.get("fsdp2", {}).get("reshard_after_forward")
-    limit = 0.92 * chip.hbm_bytes
+    limit = USABLE_HBM * chip.hbm_bytes
     counts = {"layouts": 0, "estimated": 0, "fit": 0, "compiled": 0, "refused": 0}
     scored: list[tuple[float, Candidate, dict[str, Any]]] = []
 
@@ -302,7 +309,7 @@ def _row(cand: Candidate, est: dict[str, Any], base, world: int, gpn: int) -> di
 
 
 def summary(c: Candidate) -> str:
-    parts = [c.strategy or "single"]
+    parts = [c.strategy or "one GPU"]
     if c.dp_replicate > 1:
         parts.append(f"hsdp {c.dp_replicate}")
     if c.tp > 1:
