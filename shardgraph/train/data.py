@@ -20,6 +20,7 @@ with ``input_ids`` as transformers takes them (the loss shifts them by one) and 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -219,20 +220,21 @@ def _load_text(spec: DataConfig, path: Path, vocab_size: int, model_path: str | 
     if bad or tokenizer is None:
         return None, None, bad
     eos = tokenizer.eos_token_id
-    tokens, mask = [], []
-    for file, (prompts, completions) in tables:
+    ids, keep = [], []
+    for _, (prompts, completions) in tables:
         for lo in range(0, len(completions), _ROWS_PER_CALL):
             done = _encode(tokenizer, completions[lo:lo + _ROWS_PER_CALL])
             asked = (_encode(tokenizer, prompts[lo:lo + _ROWS_PER_CALL]) if prompts is not None
                      else [[]] * len(done))
-            for p, c in zip(asked, done):
-                tokens += [p, c, [eos]]
-                mask += [np.zeros(len(p), bool), np.ones(len(c) + 1, bool)]
-    if not tokens:
+            # one flat array per call, not one per row: a corpus has millions of rows
+            docs = [p + c + [eos] for p, c in zip(asked, done)]
+            ids.append(np.fromiter(itertools.chain.from_iterable(docs), np.int32))
+            lengths = np.array([[len(p), len(c) + 1] for p, c in zip(asked, done)]).reshape(-1)
+            keep.append(np.repeat(np.tile([False, True], len(docs)), lengths))
+    if not ids:
         return np.zeros(0, np.int32), None, []
-    ids = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
-    keep = np.concatenate(mask)
-    return ids, (None if keep.all() else keep), []
+    mask = np.concatenate(keep)
+    return np.concatenate(ids), (None if mask.all() else mask), []
 
 
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -276,7 +278,8 @@ def _read_table(file: Path) -> tuple[tuple[list[str] | None, list[str]] | None,
         if kind not in ("string", "large_string", "null"):
             return problem(f"field {field!r} holds {kind or table.features[field]}, not text",
                            f"make every {field!r} a string")
-        column = list(table[field])
+        # through arrow: iterating the dataset formats one row at a time, ~100x slower
+        column = table.data.column(field).to_pylist()
         missing = [i for i, v in enumerate(column) if v is None]
         if missing:
             return problem(f"{len(missing)} row(s) have no {field!r} value (first: row "
