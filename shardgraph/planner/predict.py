@@ -144,7 +144,9 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                                  "comm_eff": eff.comm_eff,
                                  "calibrated_on_this_gpu": eff.calibrated(gpu.name)},
             "cpu_offload": offloaded,
-            "not_priced": list(v.unknown),
+            # steps whose capabilities the model does not know, and cpu_offload's host
+            # transfers and CPU optimizer step (its memory is priced: nothing on the GPU)
+            "not_priced": list(v.unknown) + (["cpu_offload transfers"] if offloaded else []),
             "model": {"architecture": shape.architecture, "parameters": shape.n_params,
                       "active_parameters_per_token": shape.active_params_per_token()},
         },
