@@ -344,10 +344,13 @@ def _why(rows: list[dict[str, Any]]) -> list[str]:
     for i, row in enumerate(rows[1:], start=2):
         b = _parts(row)
         diffs = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
-        key = max(diffs, key=lambda k: diffs[k])
+        # the two parts that moved most, with their signs: a plan may lose on one part what it
+        # wins on another
+        moved = sorted(diffs, key=lambda k: -abs(diffs[k]))[:2]
         loss = 1 - row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
-        out.append(f"#{i} ({row['summary']}) is {loss:.1%} slower: {key} "
-                   f"+{diffs[key]:.3f} s per step")
+        parts = ", ".join(f"{k} {diffs[k]:+.3f} s" for k in moved if diffs[k])
+        out.append(f"#{i} ({row['summary']}) is {loss:.1%} slower per step: "
+                   f"{parts or 'the same parts'}")
     return out
 
 
