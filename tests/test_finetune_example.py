@@ -2,13 +2,15 @@
 
 The README block makes a local HF directory (a tiny Llama + a word-level tokenizer) and a
 prompt/completion jsonl in a temporary directory; the example then fine-tunes it under
-tp 2 x fsdp2 at its world size, 4 (at 2 it would be tp alone), and exports. Checked: the same losses as one process (2e-5 over 4 AdamW steps),
-the export loads with ``from_pretrained`` bit-identical to the trained weights, and those differ
-from the weights it started from. About 60 s on 2 busy cores (4 ranks).
+tp 2 x fsdp2 at its world size, 4 (at 2 it would be tp alone), and exports. Checked: the same
+losses as one process (2e-5 over 4 AdamW steps), the export loads with ``from_pretrained``
+bit-identical to the trained weights, those differ from the weights it started from, and the
+export's tokenizer is the model directory's. 60-100 s on 2 busy cores (4 ranks).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -58,7 +60,7 @@ def _finetune(rank: int, world: int, root: str) -> dict:
 def test_readme_files_then_the_example_fine_tunes_under_tp_fsdp2_and_exports(tmp_path,
                                                                              monkeypatch):
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardgraph.train import train
     from shardgraph.train.data import check
@@ -79,6 +81,12 @@ def test_readme_files_then_the_example_fine_tunes_under_tp_fsdp2_and_exports(tmp
     assert got["losses"][-1] < got["losses"][0]
 
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
+    # the export carries the tokenizer of model.path: the same ids for the same text
+    rows = (tmp_path / "finetune" / "data.jsonl").read_text().splitlines()[:3]
+    texts = [json.loads(r)["prompt"] for r in rows]
+    ids = [AutoTokenizer.from_pretrained(d, local_files_only=True)(texts)["input_ids"]
+           for d in (str(tmp_path / "hf"), "finetune/tiny-llama")]
+    assert ids[0] == ids[1] and len(ids[0]) == 3
     start = load_file(str(tmp_path / "finetune" / "tiny-llama" / "model.safetensors"))
     for name, value in got["state"].items():
         assert torch.equal(exported[name], value), name
