@@ -109,8 +109,8 @@ def test_parquet_and_a_directory_read_in_name_order(tmp_path, tok):
     write_jsonl(d / "b.jsonl", [{"text": "old trees"}])
     pq.write_table(pa.table({"text": ["the cat sat", "a dog"]}), d / "a.parquet")
     (d / "README.md").write_text("not data")
-    one = TokenStream(pipeline(f'seq_len = 4\npath = "{d / "a.parquet"}"\ntokenizer = "{tok}"').data,
-                      64, 0)
+    parquet = d / "a.parquet"
+    one = TokenStream(pipeline(f'seq_len = 4\npath = "{parquet}"\ntokenizer = "{tok}"').data, 64, 0)
     both = TokenStream(pipeline(f'seq_len = 4\npath = "{d}"\ntokenizer = "{tok}"').data, 64, 0)
     assert len(one.tokens) == 7 and len(both.tokens) == 10
     assert both.tokens[:7].tolist() == one.tokens.tolist()
@@ -139,7 +139,8 @@ def test_tokenizer_from_the_model_directory(tmp_path, tok):
     f = write_jsonl(tmp_path / "a.jsonl", [{"text": "the cat sat on a mat"}])
     p = loads_pipeline(f'[model]\npath = "{model}"\n[data]\nseq_len = 4\npath = "{f}"')
     assert check(p, vocab_size=64, max_positions=2048) == []
-    assert TokenStream(p.data, 64, 0, model_path=str(model)).batch(0, 1)["input_ids"].shape == (1, 4)
+    stream = TokenStream(p.data, 64, 0, model_path=str(model))
+    assert stream.batch(0, 1)["input_ids"].shape == (1, 4)
 
 
 def _keys_and_messages(bad) -> tuple[set[str], str]:

@@ -141,7 +141,8 @@ def _load(spec: DataConfig, vocab_size: int, model_path: str | None
     if tokens is not None and not bad and len(tokens) < spec.seq_len:
         bad.append(Violation(
             "data", ("data.path", "data.seq_len"), f"{spec.path} holds {len(tokens)} tokens, "
-            f"fewer than one sequence of {spec.seq_len}", hint="use more data or a shorter seq_len"))
+            f"fewer than one sequence of {spec.seq_len}",
+            hint="use more data or a shorter seq_len"))
     return tokens, mask, bad
 
 
