@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 
 def parse() -> argparse.Namespace:
@@ -122,6 +123,10 @@ def main() -> int:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    # Under tp the LM head returns its gathered logits as a view (DTensor.to_local) and FSDP2
+    # warns once per rank that an in-place op on it would skip a hook; the step below makes
+    # none (the same filter as shardgraph train's loop).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     cuda = torch.cuda.is_available()
     device_type = "cuda" if cuda else "cpu"
     if cuda:

@@ -1,24 +1,46 @@
-"""``shardgraph`` command line: plan, explain, plugins (train and dryrun register themselves)."""
+"""``shardgraph`` command line: plan, explain, plugins (train and dryrun register themselves).
+
+``plan``, ``explain`` and ``plugins`` import neither torch nor transformers; a command that
+lives in another module is imported only when it is named (``COMMAND_MODULES``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 
-from .core.errors import PlanError
-from .graphs.explain import explain
+from pathlib import Path
+
+from .core.errors import PlanError, PlanWarning, Violation
+from .graphs.explain import explain, rank_groups, to_dot, to_svg
 from .graphs.toml import load_toml
 from .plugins import default_registry
+from .plugins._describe import describe
 
-#: Extra subcommands: name -> (add_arguments(parser), run(args) -> exit code)
+#: Extra subcommands: name -> (help, add_arguments(parser), run(args) -> exit code). A module
+#: adds its commands here when imported; list it in COMMAND_MODULES so that it is imported only
+#: when one of its commands is named.
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], int]]] = {}
 #: Modes of ``plan`` added by other modules: flag -> (add_arguments(parser), run(args)); run
 #: replaces the plain plan when ``args.<flag>`` is set (``--auto``: shardgraph.planner)
 PLAN_MODES: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                             Callable[[argparse.Namespace], int]]] = {}
+#: command name -> the module that registers it (imported only when that command runs)
+COMMAND_MODULES: dict[str, str] = {
+    "train": "shardgraph.train.cli",
+    "dryrun": "shardgraph.train.cli",
+    "export": "shardgraph.train.cli",
+}
+#: modules that extend the commands defined here (``plan --auto``, ``estimate``); imported on
+#: every run, so they must not import torch or transformers at module level
+EXTENSION_MODULES = ("shardgraph.planner.cli",)
+#: commands defined here; they import neither torch nor transformers (a plugin whose
+#: declaration needs torch still brings it in)
+FAST_COMMANDS = ("plan", "explain", "plugins")
 
 
 def _compile(args: argparse.Namespace):
@@ -36,31 +58,32 @@ def _plan(args: argparse.Namespace) -> int:
             return run(args)
     plan = _compile(args)
     if args.json:
-        print(plan.to_json())
+        data = plan.to_dict()
+        data["groups"] = rank_groups(plan.layout)  # the ranks of each process group
+        print(json.dumps(data))
     else:
         print(explain(plan).split("\n\nprocess groups")[0])
     return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
-    print(explain(_compile(args)))
+    plan = _compile(args)
+    print(explain(plan))
+    for path, draw in ((args.svg, to_svg), (args.dot, to_dot)):
+        if path:
+            try:
+                Path(path).write_text(draw(plan), encoding="utf-8")
+            except OSError as exc:
+                raise PlanError([Violation("file", (path,), f"cannot write {path}: "
+                                           f"{exc.strerror}", hint="check the path")]) from None
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
 def _plugins(args: argparse.Namespace) -> int:
     registry = default_registry()
     registry.load_entry_points()
-    rows = []
-    for plugin in registry:
-        rows.append({
-            "name": plugin.name, "kind": plugin.kind.value,
-            "axis": plugin.axis.value if plugin.axis else None,
-            "provides": sorted(plugin.provides), "requires": sorted(plugin.requires),
-            "conflicts": sorted(plugin.conflicts), "before": sorted(plugin.before),
-            "after": sorted(plugin.after), "consumes": sorted(plugin.consumes),
-            "reads": sorted(plugin.reads),
-            "source": registry.source(plugin.name), "doc": plugin.doc,
-        })
+    rows = describe(registry)
     failures = [{"entry_point": f.entry_point, "distribution": f.distribution, "error": f.error}
                 for f in registry.failures.values()]
     if args.json:
@@ -68,9 +91,17 @@ def _plugins(args: argparse.Namespace) -> int:
         return 0
     for r in rows:
         print(f"{r['name']:<26} {r['kind']:<12} axis={r['axis'] or '-':<13} from {r['source']}")
+        if r["doc"]:
+            print(f"    {r['doc']}")
         for field in ("provides", "requires", "conflicts", "before", "after", "consumes", "reads"):
             if r[field]:
                 print(f"    {field:<9} {', '.join(r[field])}")
+        if r["options"]:
+            print("    options:")
+        for o in r["options"]:
+            default = ("unset" if o["default"] is None else o["default"]
+                       if o["default"] == "(required)" else json.dumps(o["default"]))
+            print(f"      {o['name']:<24} {o['type']:<22} = {default:<12} {o['doc']}".rstrip())
     for f in failures:
         print(f"FAILED {f['entry_point']} from {f['distribution']}: {f['error']}", file=sys.stderr)
     return 0
@@ -95,8 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_plan)
     p = sub.add_parser("explain", help="the steps, the mesh and each rank's process groups")
     _file_args(p)
+    p.add_argument("--svg", metavar="FILE", help="also draw the rank grid as SVG: one panel "
+                   "per mesh axis, each group in its colour, each node boxed")
+    p.add_argument("--dot", metavar="FILE", help="the same picture as a Graphviz file")
     p.set_defaults(run=_explain)
-    p = sub.add_parser("plugins", help="every registered plugin and where it came from")
+    p = sub.add_parser("plugins", help="every registered plugin, its declarations, options and "
+                       "where it came from")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_plugins)
     for name, (help_text, add_arguments, run) in COMMANDS.items():
@@ -107,25 +142,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _register_optional_commands()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _register_optional_commands(argv)
     args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except PlanError as exc:
-        print(f"shardgraph {args.command}: {exc}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlanWarning)
+        try:
+            return args.run(args)
+        except PlanError as exc:
+            print(f"shardgraph {args.command}: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            for w in caught:  # input ignored on purpose: said on stderr, the exit code stays
+                if issubclass(w.category, PlanWarning):
+                    print(f"shardgraph {args.command}: warning: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
-def _register_optional_commands() -> None:
-    """Commands that live in their own modules add themselves to COMMANDS on import."""
+def _register_optional_commands(argv: Sequence[str]) -> None:
+    """Import the modules whose commands add themselves to COMMANDS: the light extensions
+    always, and of the others only the one that owns the command named in ``argv`` (``train``
+    imports torch; ``plan`` must not), or all when no known command is named (``--help``, a
+    typo: argparse then lists every command)."""
     import importlib
 
-    for module in ("shardgraph.train.cli", "shardgraph.planner.cli"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not module.startswith(exc.name):
-                raise
+    def load(modules) -> None:
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name is None or not module.startswith(exc.name):
+                    raise
+
+    load(EXTENSION_MODULES)
+    named = next((a for a in argv if not a.startswith("-")), None)
+    if named in COMMAND_MODULES:
+        load([COMMAND_MODULES[named]])
+    elif named not in FAST_COMMANDS and named not in COMMANDS:
+        load(dict.fromkeys(COMMAND_MODULES.values()))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,10 @@ def test_plan_json_has_exactly_the_documented_shape(pipeline, capsys):
     out = capsys.readouterr().out
     data = json.loads(out)
     assert out.count("\n") == 1  # one JSON object, one line
-    assert set(data) == {"world_size", "gpus_per_node", "sizes", "mesh", "moe_mesh", "steps"}
+    assert set(data) == {"world_size", "gpus_per_node", "sizes", "mesh", "moe_mesh", "steps",
+                         "groups"}
+    assert data["groups"]["cp"] == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert data["groups"]["dp_shard_cp"][0] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert data["sizes"] == {"pp": 2, "dp": 4, "dp_replicate": 1, "dp_shard": 4, "cp": 2,
                              "tp": 1, "ep": 2, "ep_shard": 4}
     assert data["mesh"] == {"names": ["pp", "dp_replicate", "dp_shard", "cp", "tp"],

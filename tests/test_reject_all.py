@@ -38,6 +38,11 @@ REJECTED = {
     "ddp-sp": ('[distributed]\nstrategy = "ddp"\nsequence_parallel = true\n', 4, 8,
                {"conflicts"}),
     "ddp-ep": (g("ddp", ("ep", {"size": 2})), 2, 8, {"conflicts"}),
+    "typo-beside-requirement": ('[distributed]\nstrategy = "ddp"\ntp_sizee = 2\ncp_size = 0\n'
+                                'sequence_parallel = true\n', 6, 8, {"unknown-key", "size"}),
+    "bad-world-hides-no-size": (g("ddp", ("tp", {"size": 4}), "sp"), 6, 8,
+                                {"world-size"}),
+    "ep-tp": (g("fsdp2", ("ep", {"size": 2}), ("tp", {"size": 2})), 8, 8, {"conflicts"}),
     "unknown-strategy": ('[distributed]\nstrategy = "fsdp3"\ntp_size = 2\n', 4, 8,
                          {"unknown-plugin"}),
     "misspelt-provider": (g("fsdp2", ("tpp", {"size": 2}), "sp"), 4, 8, {"unknown-plugin"}),

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from .errors import Violation
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 
 def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str, nn.Module]]:
@@ -24,6 +26,8 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
         found = [(n, m) for n, m in named if type(m).__name__ in classes]
         if found:
             return found
+    import torch.nn as nn  # here, not at import: plugin declarations load without torch
+
     lists = [(n, m) for n, m in named if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         return []

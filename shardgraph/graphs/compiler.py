@@ -63,6 +63,8 @@ class _Resolved:
     plugin: Plugin
     options: Any  # None when the user's options did not structure (already reported)
     active: bool = False
+    #: False when ``active`` is a guess: its degree is unknown after another violation
+    certain: bool = True
 
 
 def compile_graph(
@@ -176,9 +178,10 @@ def _activate(resolved, mesh: DerivedMesh, bad) -> list[_Resolved]:
         p = r.plugin
         if p.axis is not None:
             degree = mesh.degree(p.axis)
-            active = degree is None or degree > 1
+            active, certain = degree is None or degree > 1, degree is not None
         else:
             active = multi or p.kind is Kind.POLICY
+            certain = mesh.world_known or p.kind is Kind.POLICY
         if p.sized and not active:
             extra = sorted(k for k in r.entry.options if k != "size")
             if extra:
@@ -188,7 +191,7 @@ def _activate(resolved, mesh: DerivedMesh, bad) -> list[_Resolved]:
                     hint=f"set {r.entry.origin('size')} > 1 or remove these options",
                     plugin=p.name,
                 ))
-        out.append(attrs.evolve(r, active=active))
+        out.append(attrs.evolve(r, active=active, certain=certain))
     return out
 
 
@@ -198,9 +201,10 @@ def _clash(a: Plugin, b: Plugin) -> frozenset[str]:
 
 def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
                         registry: Registry, bad) -> None:
-    """Strategies, conflicts and requirements. A requirement of a plugin already reported in
-    a conflict, or one an unresolved entry may satisfy, is a consequence and not repeated; a
-    hint names only fixes the other rules would accept."""
+    """Strategies, conflicts and requirements. What may be a consequence of a reported problem
+    is not repeated: a conflict with a plugin whose degree is unknown (its size may be fixed to
+    1), a requirement of a plugin already in a conflict, one that a plugin of unknown degree or
+    an unresolved entry may satisfy. A hint names only fixes the other rules would accept."""
     active = [r for r in resolved if r.active]
     strategies = [r for r in resolved if r.plugin.kind is Kind.STRATEGY]
     if len(strategies) > 1:
@@ -209,8 +213,11 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
             f"more than one data-parallel strategy: {[r.plugin.name for r in strategies]}",
             hint=f"keep one of {', '.join(r.plugin.name for r in strategies)}",
         ))
+    # Rules about something missing are not judged while some input went unread: an unknown
+    # key of the pipeline file may be the size or switch that would have provided it.
+    unread = any(v.rule in ("unknown-key", "type") for v in graph.problems)
     dp_cp = mesh.degree(Axis.DP)
-    if not strategies and not unresolved and dp_cp is not None and dp_cp > 1:
+    if not strategies and not unresolved and not unread and dp_cp is not None and dp_cp > 1:
         # an idle strategy is fine at dp * cp = 1; an unknown plugin may be the strategy
         fits = [p.name for p in registry if p.kind is Kind.STRATEGY
                 and not any(_clash(p, r.plugin) for r in active)]
@@ -228,7 +235,7 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
         for other in active:
             clash = r.plugin.conflicts & other.plugin.provides
             pair = frozenset((r.plugin.name, other.plugin.name))
-            if other is r or not clash or pair in reported:
+            if other is r or not clash or pair in reported or not (r.certain and other.certain):
                 continue
             reported.add(pair)
             in_conflict |= pair
@@ -243,7 +250,7 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
         for cap in r.plugin.provides:
             providers.setdefault(cap, []).append(r)
     for r in active:
-        if r.plugin.name in in_conflict:
+        if r.plugin.name in in_conflict or not r.certain or unread:
             continue
         for need in sorted(r.plugin.requires):
             if [p for p in providers.get(need, []) if p is not r]:
@@ -300,6 +307,8 @@ def _conflict_hint(r: _Resolved, other: _Resolved, active, registry: Registry) -
     drop = f"remove {other.plugin.name}"
     if other.plugin.sized:
         drop += f" (or set {other.entry.origin('size')} = 1)"
+    if r.plugin.kind is not Kind.STRATEGY:  # only a strategy has stand-ins (one per plan)
+        return drop
     rest = [x.plugin for x in active if x is not r]
     alternatives = [
         cand.name for cand in registry

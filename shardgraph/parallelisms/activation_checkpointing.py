@@ -13,22 +13,25 @@ error naming its scope.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch.nn as nn
-from torch.distributed._composable import checkpoint
 
 from ..core.blocks import blocks_violation, find_blocks
-from ..core.context import MeshContext
 from ..core.errors import Violation
 from ..plugins import Kind, Plugin
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
 
 _SCOPES_EXAMPLE = "scopes = { llm = \"llm.model.layers.*\", perception = [\"encoder.layers.*\"] }"
 
 
 @attrs.frozen
 class ActivationCheckpointingOptions:
+    #: FQN glob of the blocks to recompute; default: HF ``_no_split_modules`` or the layer list
     blocks: str | None = None
     #: scope name -> an FQN glob or a list of them. A plain ``dict`` so that a lone string is
     #: not split into characters by the structurer; ``_check`` validates the shape.
@@ -87,6 +90,8 @@ def _model_check(model: nn.Module, options: ActivationCheckpointingOptions, ctx:
 
 def _apply(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshContext,
            inputs: dict[str, Any]):
+    from torch.distributed._composable import checkpoint
+
     if not options.scopes:
         for _, block in find_blocks(model, options.blocks):
             checkpoint(block)

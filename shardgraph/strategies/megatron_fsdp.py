@@ -7,17 +7,19 @@ before anything changes, naming what is missing and suggesting fsdp2.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
-import torch.nn as nn
 
 from ..core.axes import Axis
 from ..core.blocks import blocks_violation, find_blocks
-from ..core.context import MeshContext
 from ..core.errors import Violation
 from ..plugins import Kind, Plugin
+
+if TYPE_CHECKING:  # torch loads when the model is checked, not when the declaration is read
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -26,8 +28,11 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 class MegatronFSDPOptions:
     #: 0..3 or a name: no_shard, optim, optim_grads, optim_grads_params (ZeRO-0..3)
     zero_dp_strategy: int = 3
+    #: overlap the gradient reduce-scatter with the backward pass
     overlap_grad_reduce: bool = True
+    #: overlap the parameter all-gather with the forward pass
     overlap_param_gather: bool = True
+    #: FQN glob of the blocks that become FSDP units; default: HF ``_no_split_modules``
     blocks: str | None = None
 
 
@@ -43,6 +48,8 @@ def _check(options: MegatronFSDPOptions, layout, settings) -> list[Violation]:
 
 
 def _model_check(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContext):
+    import torch
+
     missing = []
     if importlib.util.find_spec("megatron_fsdp") is None:
         missing.append("the megatron-fsdp package (pip install 'shardgraph[megatron]')")
