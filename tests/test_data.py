@@ -302,3 +302,17 @@ def test_masked_loss_is_token_weighted_under_every_layout(tmp_path, tok):
     got = _dist.run(_train_layouts, 2, str(data), str(tok), timeout=300)[0]
     for name, losses in got.items():
         assert losses == pytest.approx(ref, abs=2e-5), name
+
+
+@needs_datasets
+def test_a_resumed_run_continues_at_the_exact_data_position(tmp_path, tok):
+    from shardgraph.train import train
+
+    data = write_jsonl(tmp_path / "qa.jsonl", qa_rows(60))
+    text = BASE.format(data=data, tok=tok, plugins="", micro=1)
+    whole = [r["loss"] for r in train(loads_pipeline(text), steps=4)["rows"]]
+    resumable = text + f'[checkpoint]\ndir = "{tmp_path / "ckpt"}"\n'
+    train(loads_pipeline(resumable), steps=2)
+    resumed = train(loads_pipeline(resumable), steps=4)["rows"]
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx(whole[2:], abs=1e-6)
