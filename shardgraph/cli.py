@@ -184,4 +184,8 @@ def _register_optional_commands(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's main: under ``python -m`` this file is ``__main__``, and the
+    # commands other modules register go to ``shardgraph.cli.COMMANDS``, not to this copy's.
+    from shardgraph.cli import main as _main
+
+    sys.exit(_main())

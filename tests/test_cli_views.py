@@ -122,3 +122,12 @@ def test_nemo_pp_size_one_warns_on_stderr_and_exits_0(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "warning: [inactive-options] distributed.pipeline.pp_schedule" in done.stderr
     assert "1. fsdp2" in done.stdout
+
+
+def test_commands_of_other_modules_run_under_python_m():
+    # ``python -m shardgraph.cli`` runs cli.py as __main__; train registers into
+    # shardgraph.cli.COMMANDS, which must be the registry main reads.
+    done = subprocess.run([sys.executable, "-m", "shardgraph.cli", "train", "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "--nproc" in done.stdout
