@@ -4,6 +4,7 @@ from ._registry import (
     BUILTIN,
     ENTRY_POINT_GROUP,
     LoadFailure,
+    PluginValidationError,
     Registered,
     Registry,
     builtin_registry,
@@ -13,6 +14,6 @@ from ._spec import Apply, Check, GradSync, Kind, ModelCheck, NoOptions, Plugin, 
 
 __all__ = [
     "BUILTIN", "ENTRY_POINT_GROUP", "Apply", "Check", "GradSync", "Kind", "LoadFailure",
-    "ModelCheck", "NoOptions", "Plugin", "PrepareBatch", "Registered", "Registry", "builtin_registry",
+    "PluginValidationError",     "ModelCheck", "NoOptions", "Plugin", "PluginValidationError", "PrepareBatch", "Registered", "Registry", "builtin_registry",
     "default_registry",
 ]

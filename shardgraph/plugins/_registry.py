@@ -33,6 +33,16 @@ def _dist_label(ep: md.EntryPoint) -> str:
     return f"{dist.name} {dist.version}" if dist is not None else "an unknown distribution"
 
 
+class PluginValidationError(ValueError):
+    """A declaration that cannot be registered: names the plugin, where it came from (its
+    distribution for an entry point) and every problem (hooks whose arguments do not match the
+    protocol's, a sized axis without ``size``, ...)."""
+
+    def __init__(self, plugin: str, source: str, problems: list[str]):
+        self.plugin, self.source, self.problems = plugin, source, list(problems)
+        super().__init__(f"plugin {plugin!r} from {source}: " + "; ".join(problems))
+
+
 @attrs.define
 class Registry:
     """Plugins by name. ``Registry()`` is empty; ``default_registry()`` holds the built-ins."""
@@ -45,7 +55,7 @@ class Registry:
         if not isinstance(plugin, Plugin):
             raise TypeError(f"expected a shardgraph Plugin, got {type(plugin).__name__}")
         if problems := plugin.problems():
-            raise ValueError(f"plugin {plugin.name!r} from {source}: " + "; ".join(problems))
+            raise PluginValidationError(plugin.name, source, problems)
         held = self._records.get(plugin.name)
         if held is not None and not override:
             raise ValueError(

@@ -37,11 +37,61 @@ ModelCheck = Callable[["nn.Module", Any, "MeshContext"], list[Violation]]
 #: ``apply(model, options, ctx, inputs) -> model``; ``inputs`` maps a consumed capability to the
 #: options of the plugin that provided it.
 Apply = Callable[["nn.Module", Any, "MeshContext", dict[str, Any]], "nn.Module"]
-#: ``grad_sync(model, options, enabled)``: turn gradient reduction on/off for accumulation.
+#: ``grad_sync(model, options, enabled)``: turn gradient reduction on/off for accumulation
+#: (called on every part of the parallelised model).
 GradSync = Callable[["nn.Module", Any, bool], None]
-#: ``prepare_batch(model, options, batch) -> batch``: this rank's share of a batch of model
-#: keyword arguments (cp keeps its part of every sequence); ``Plan.prepare_batch`` runs them.
-PrepareBatch = Callable[["nn.Module", Any, dict[str, Any]], dict[str, Any]]
+#: ``prepare_batch(batch, options, ctx, inputs) -> batch``: this rank's share of a batch of
+#: model keyword arguments (cp keeps its part of every sequence, labels already shifted).
+PrepareBatch = Callable[[dict[str, Any], Any, "MeshContext", dict[str, Any]], dict[str, Any]]
+#: ``export(options, layout) -> {capability: value}``: typed values (``core.values``) for the
+#: capabilities this plugin provides, known before any model is touched.
+Export = Callable[[Any, "MeshLayout"], dict[str, Any]]
+#: ``loss_context(options) -> context manager``: entered around every forward and backward
+#: (tp's ``loss_parallel`` when the logits stay sharded over the vocabulary).
+LossContext = Callable[[Any], Any]
+
+#: ``collectives(model, options, ctx, inputs, batch) -> rows``: the collectives this step makes
+#: one rank issue per optimizer step (``core.values.Collective``; ``batch``: ``BatchShape``),
+#: counted from what its ``apply`` built; the dry run and the planner read them.
+Collectives = Callable[["nn.Module", Any, "MeshContext", dict[str, Any], Any], list[Any]]
+
+#: The argument names of every hook, checked when a plugin is registered (as pluggy checks
+#: hook implementations against their specs): a wrong hook fails on load, not mid-``apply``.
+HOOKS: dict[str, tuple[str, ...]] = {
+    "check": ("options", "layout", "settings"),
+    "model_check": ("model", "options", "ctx"),
+    "apply": ("model", "options", "ctx", "inputs"),
+    "grad_sync": ("model", "options", "enabled"),
+    "prepare_batch": ("batch", "options", "ctx", "inputs"),
+    "export": ("options", "layout"),
+    "loss_context": ("options",),
+    "collectives": ("model", "options", "ctx", "inputs", "batch"),
+}
+
+
+def hook_problem(name: str, hook: Any) -> str | None:
+    """Why ``hook`` cannot serve as ``name`` (its arguments must be the protocol's, in order),
+    or None."""
+    import inspect
+
+    if not callable(hook):
+        return f"{name} is not callable"
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: trust it
+    params = list(signature.parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required_kw = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    want = HOOKS[name]
+    if positional[:len(want)] != list(want) or required_kw or any(
+            p.default is p.empty for p in params[len(want):]
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)):
+        got = ", ".join(positional + [f"*, {n}" for n in required_kw])
+        return f"hook {name}({got}) does not match {name}({', '.join(want)})"
+    return None
 
 
 def _frozen(value) -> frozenset[str]:
@@ -83,6 +133,9 @@ class Plugin:
     apply: Apply | None = attrs.field(default=None, eq=False)
     grad_sync: GradSync | None = attrs.field(default=None, eq=False)
     prepare_batch: PrepareBatch | None = attrs.field(default=None, eq=False)
+    export: Export | None = attrs.field(default=None, eq=False)
+    loss_context: LossContext | None = attrs.field(default=None, eq=False)
+    collectives: Collectives | None = attrs.field(default=None, eq=False)
     keeps_fqns: bool = True
     #: ``apply`` needs parameters with storage (DDP broadcasts and buckets them): on a model
     #: built on ``meta`` the plan materialises the parameters before this step.
@@ -101,10 +154,11 @@ class Plugin:
         overlap = (self.before & self.after) | (self.provides & self.conflicts)
         if overlap:
             out.append(f"declares {sorted(overlap)} on both sides of an ordering or conflict")
-        for attr in ("check", "model_check", "apply", "grad_sync", "prepare_batch"):
+        for attr in HOOKS:
             value = getattr(self, attr)
-            if value is not None and not callable(value):
-                out.append(f"{attr} is not callable")
+            problem = None if value is None else hook_problem(attr, value)
+            if problem is not None:
+                out.append(problem)
         return out
 
     @property
