@@ -120,9 +120,14 @@ class PipelinedModel(nn.Module):
     def has_last(self) -> bool:
         return self.n_stages - 1 in self.stage_ids
 
-    def _schedule(self, n_microbatches: int):
-        if n_microbatches in self._schedules:
-            return self._schedules[n_microbatches]
+    def parts(self) -> list[nn.Module]:
+        """This rank's stage modules: what a step runs, each a root of its own."""
+        return list(self.model_parts)
+
+    def _schedule(self, n_microbatches: int, scale_grads: bool | None = None):
+        scale = self.options.scale_grads_in_schedule if scale_grads is None else scale_grads
+        if (n_microbatches, scale) in self._schedules:
+            return self._schedules[n_microbatches, scale]
         group = self.pp_group
         stages = [
             PipelineStage(part, stage_index=s, num_stages=self.n_stages,
@@ -130,13 +135,12 @@ class PipelinedModel(nn.Module):
             for part, s in zip(self.model_parts, self.stage_ids)
         ]
         cls = getattr(torch_schedules, self.schedule_spec.torch_class)
-        common = dict(n_microbatches=n_microbatches, loss_fn=self._call_loss,
-                      scale_grads=self.options.scale_grads_in_schedule)
+        common = dict(n_microbatches=n_microbatches, loss_fn=self._call_loss, scale_grads=scale)
         if self.schedule_spec.stages_per_rank == 1:
             schedule = cls(stages[0], **common)
         else:
             schedule = cls(stages, **common)
-        self._schedules[n_microbatches] = schedule
+        self._schedules[n_microbatches, scale] = schedule
         return schedule
 
     def _call_loss(self, output, target):
@@ -146,6 +150,12 @@ class PipelinedModel(nn.Module):
             tag_stage(exc, self.n_stages - 1)
             raise
 
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """The ``StepRunner`` of ``ParallelModel.step``: forward and backward of every
+        microbatch of ``inputs``; ``loss_fn`` (already normalised by the caller: no scaling by
+        the schedule) is summed; the sum is the same on every rank of the pipeline."""
+        return self._run(inputs, labels, loss_fn, scale_grads=False, mean=False)
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of all microbatches of ``inputs``; returns the mean microbatch
         loss of this local batch, the same on every rank of the pipeline."""
@@ -154,25 +164,36 @@ class PipelinedModel(nn.Module):
         if bad:
             raise PlanError(bad)
         n = inputs.shape[0] // mbs
-        if self.options.scale_grads_in_schedule:
-            self._loss_fn = loss_fn
+        scale = self.options.scale_grads_in_schedule
+        if scale:
+            wrapped = loss_fn
         else:
             # The schedule leaves gradients summed over microbatches: scale the loss instead
             # (torchtitan's choice), so gradients are those of the mean loss.
-            self._loss_fn = lambda out, tgt: loss_fn(out, tgt) / n
+            def wrapped(out, tgt):
+                return loss_fn(out, tgt) / n
+        return self._run(inputs, targets, wrapped, scale_grads=scale, mean=scale)
+
+    def _run(self, inputs, targets, loss_fn, *, scale_grads: bool, mean: bool) -> torch.Tensor:
+        mbs = self.options.microbatch_size
+        bad = self._rules(inputs.shape[0])
+        if bad:
+            raise PlanError(bad)
+        n = inputs.shape[0] // mbs
+        self._loss_fn = loss_fn
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         args = (inputs,) if self.has_first else ()
         target = targets if self.has_last else None
         self._steps += 1
         with _FailureWatch(self, self._steps) as watch:
             try:
-                self._schedule(n).step(*args, target=target, losses=losses)
+                self._schedule(n, scale_grads).step(*args, target=target, losses=losses)
             except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
                 watch.failed(exc)
         loss = torch.zeros((), dtype=torch.float32)
         if losses is not None:
             total = torch.stack([v.detach().float() for v in losses]).sum()
-            loss = total if not self.options.scale_grads_in_schedule else total / n
+            loss = total / n if mean else total
         src = self._last_stage_rank()
         dist.broadcast(loss, group=self.pp_group, group_src=src)
         return loss

@@ -22,6 +22,7 @@ On a model without cp, ``shard_batch`` returns the batch unchanged.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -128,9 +129,8 @@ def _apply(model: nn.Module, options: CPOptions, ctx: MeshContext, inputs: dict[
     name = f"shardgraph_cp_{next(_names)}"
     AttentionInterface.register(name, _cp_attention.attention(mesh, options.load_balance))
     model.set_attn_implementation(name)
-    model._shardgraph_cp = _State(mesh, options.load_balance)
     model.register_forward_pre_hook(_require_sharded, with_kwargs=True)
-    model.register_forward_hook(_sum_loss_over_cp)
+    model.register_forward_hook(functools.partial(_sum_loss_over_cp, mesh.get_group()))
     return model
 
 
@@ -138,15 +138,16 @@ def _require_sharded(model: nn.Module, args, kwargs):
     if kwargs.get("position_ids") is None or (
             kwargs.get("labels") is not None and kwargs.get("num_items_in_batch") is None):
         raise ValueError("a context-parallel model takes the inputs of "
-                         "shardgraph.parallelisms.cp.shard_batch(model, batch)")
+                         "shardgraph.parallelisms.cp.shard_batch(batch, mesh), which the "
+                         "parallelised model's prepare_batch(batch) calls")
     if kwargs.get("attention_mask") is not None:
         raise ValueError("a context-parallel model takes no attention_mask (shard_batch drops it)")
 
 
-def _sum_loss_over_cp(model: nn.Module, args, output):
+def _sum_loss_over_cp(group, model: nn.Module, args, output):
     loss = output.get("loss") if isinstance(output, Mapping) else None
     if loss is not None:
-        output["loss"] = _SumOverGroup.apply(loss, model._shardgraph_cp.mesh.get_group())
+        output["loss"] = _SumOverGroup.apply(loss, group)
     return output
 
 
@@ -168,18 +169,21 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-def shard_batch(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """This rank's share of ``batch`` for a context-parallel ``model``: the keyword arguments of
-    ``model(**...)``. Every cp rank passes the same (data-parallel-local) batch.
+def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh | None,
+                load_balance: bool = True) -> dict[str, Any]:
+    """This rank's share of ``batch`` over the cp ``mesh`` (a 1-D DeviceMesh; None: no cp): the
+    keyword arguments of the cp model's ``model(**...)``. Every cp rank passes the same
+    (data-parallel-local) batch. ``plan.prepare_batch(batch)`` / the parallelised model's
+    ``prepare_batch`` call this with the plan's mesh.
 
     ``batch`` holds ``input_ids`` or ``inputs_embeds`` of shape ``(batch, seq, ...)``, optionally
     ``labels`` (unshifted, as transformers takes them; ``-100`` is ignored), ``position_ids`` and
     an ``attention_mask`` without padding (it is dropped). ``seq`` must divide into ``2 * cp``
     chunks (``cp`` without load balancing). Other keys pass through unchanged.
     """
-    state: _State | None = getattr(model, "_shardgraph_cp", None)
-    if state is None:
+    if mesh is None:
         return dict(batch)
+    state = _State(mesh, load_balance)
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     tokens = batch.get("input_ids")
     if tokens is None:
@@ -214,6 +218,11 @@ def shard_batch(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _prepare_batch(batch: dict[str, Any], options: CPOptions, ctx: MeshContext,
+                   inputs: dict[str, Any]) -> dict[str, Any]:
+    return shard_batch(batch, ctx.mesh(Axis.CP), options.load_balance)
+
+
 PLUGIN = Plugin(
     name="cp",
     kind=Kind.PARALLELISM,
@@ -224,6 +233,6 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
-    prepare_batch=lambda model, options, batch: shard_batch(model, batch),
+    prepare_batch=_prepare_batch,
     doc="context parallelism: sequence-sharded attention over the cp axis",
 )

@@ -19,12 +19,7 @@ from typing import Any
 import attrs
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from ..core.axes import Axis
@@ -34,7 +29,7 @@ from ..plugins import Kind, Plugin
 from ._ep_dispatch import shard_experts
 from ._ep_layers import layout_problem, moe_layers
 from ._ep_router import keep_router_outputs
-from .mixed_precision import fsdp_policy
+from ..core.values import BatchShape, PrecisionPolicy, ShardingSettings, collective
 
 
 @attrs.frozen
@@ -106,13 +101,11 @@ def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list
 
 
 def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any]):
-    policy = fsdp_policy(inputs.get("precision_policy"))
     # The experts are a unit inside a block: like the block's, their output is not cast.
-    policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-                                  cast_forward_inputs=policy.cast_forward_inputs)
+    policy = (inputs.get("precision_policy") or PrecisionPolicy()).fsdp(cast_output=False)
     ep_mesh, ep_shard_mesh = ctx.mesh(Axis.EP), ctx.mesh(Axis.EP_SHARD)
     offload = OffloadPolicy()
-    if getattr(inputs.get("fully_shard"), "cpu_offload", False):
+    if (inputs.get("fully_shard") or ShardingSettings()).cpu_offload:
         offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     for layer in moe_layers(model):
         shard_experts(layer.experts, ep_mesh)
@@ -134,6 +127,14 @@ def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[
     return model
 
 
+def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any],
+                 batch: BatchShape) -> list[dict[str, Any]]:
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
+    n = 4 * len(moe_layers(model)) * batch.micro_batches
+    return collective("all_to_all", "ep", n, n * batch.tokens * top_k * batch.hidden
+                      * batch.act_bytes, "MoE dispatch and combine, forward and backward")
+
+
 PLUGIN = Plugin(
     name="ep",
     kind=Kind.PARALLELISM,
@@ -152,5 +153,6 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
+    collectives=_collectives,
     doc="expert parallelism: experts sharded over ep, tokens exchanged with all-to-all",
 )

@@ -12,17 +12,13 @@ from typing import Any
 import attrs
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..core.context import MeshContext
 from ..core.errors import Violation, choices_hint, did_you_mean
+from ..core.values import DTYPE_NAMES, PrecisionPolicy, dtype
 from ..plugins import Kind, Plugin
 
-DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-}
+DTYPES = DTYPE_NAMES
 
 
 @attrs.frozen
@@ -33,19 +29,8 @@ class MixedPrecisionOptions:
     cast_forward_inputs: bool = True
 
 
-def dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
-
-
-def fsdp_policy(options: MixedPrecisionOptions | None) -> MixedPrecisionPolicy:
-    if options is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(
-        param_dtype=dtype(options.param_dtype),
-        reduce_dtype=dtype(options.reduce_dtype),
-        output_dtype=dtype(options.output_dtype),
-        cast_forward_inputs=options.cast_forward_inputs,
-    )
+def _export(options: MixedPrecisionOptions, layout) -> dict[str, Any]:
+    return {"precision_policy": PrecisionPolicy(**attrs.asdict(options))}
 
 
 def _check(options: MixedPrecisionOptions, layout, settings) -> list[Violation]:
@@ -95,5 +80,6 @@ PLUGIN = Plugin(
     before={"data_parallel"},
     check=_check,
     apply=_apply,
+    export=_export,
     doc="param/reduce/output dtypes for the strategy; autocast where no strategy consumes it",
 )

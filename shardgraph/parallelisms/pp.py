@@ -31,6 +31,7 @@ import attrs
 
 from ..core.axes import Axis
 from ..core.errors import Violation, choices_hint, did_you_mean
+from ..core.values import Applied, BatchShape, collective
 from ..plugins import Kind, Plugin
 
 
@@ -205,8 +206,18 @@ def _model_check(model, options: PPOptions, ctx) -> list[Violation]:
 def _apply(model, options: PPOptions, ctx, inputs):
     from ._pp_apply import apply_pipeline
 
-    return apply_pipeline(model, options, schedule(options.schedule), ctx,
-                          microbatch_violations)
+    pipelined = apply_pipeline(model, options, schedule(options.schedule), ctx,
+                               microbatch_violations)
+    # The pipeline runs the steps' forward and backward itself (a StepRunner), and the steps
+    # after this one wrap its stages, each a root of its own.
+    return Applied(pipelined, values={"pipeline_parallel": pipelined})
+
+
+def _collectives(model, options: PPOptions, ctx, inputs, batch: BatchShape) -> list[dict]:
+    micro = batch.local_batch // options.microbatch_size
+    return collective("send/recv", "pp", 2 * micro, 2 * micro * options.microbatch_size
+                      * batch.seq_len * batch.hidden * batch.act_bytes,
+                      "activations forward and their gradients backward, per stage boundary")
 
 
 PLUGIN = Plugin(
@@ -220,6 +231,7 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
+    collectives=_collectives,
     keeps_fqns=False,
     doc="pipeline parallelism: stages from the model's pp plan, torch pipelining schedules",
 )

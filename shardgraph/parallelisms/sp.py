@@ -78,9 +78,9 @@ def _model_check(model: nn.Module, options: NoOptions, ctx: MeshContext) -> list
 
 
 def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[str, Any]):
-    tp = getattr(model, "_shardgraph_tp", None)
+    tp = inputs.get("tensor_parallel")
     if tp is None:
-        raise RuntimeError("sp runs after the tp step, which left no layout on this model")
+        raise RuntimeError("sp runs after the tp step, which exported no layout")
     tp.residual.placements = (Shard(1),)
     modules = dict(model.named_modules())
     mesh = ctx.mesh(Axis.TP)

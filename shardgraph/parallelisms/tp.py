@@ -12,11 +12,12 @@ logits on every rank; the training loop then runs the forward *and* ``backward()
 ``torch.distributed.tensor.parallel.loss_parallel()``, and the loss is a replicated DTensor.
 
 The residual stream between blocks is replicated here; the ``sp`` step that may follow shards it
-along the sequence through the layout this step leaves on the model (``_shardgraph_tp``).
+along the sequence through the layout this step exports (``inputs["tensor_parallel"]``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import attrs
@@ -27,6 +28,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ..core.axes import Axis
 from ..core.context import MeshContext
 from ..core.errors import Violation, choices_hint, did_you_mean
+from ..core.values import Applied, BatchShape, collective
 from ..plugins import Kind, Plugin
 from . import _tp_styles as styles
 
@@ -215,8 +217,37 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
             parallelize_module(modules[fqn], tp_mesh, built)
     _retie(model, tied)
     # sp (a step of its own, after this one) re-lays the residual stream out along the sequence.
-    model._shardgraph_tp = styles.TPLayout(resolved.matched, resolved.head, residual)
-    return model
+    layout = styles.TPLayout(resolved.matched, resolved.head, residual)
+    return Applied(model, values={"tensor_parallel": layout})
+
+
+def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any],
+                 batch: BatchShape) -> list[dict[str, Any]]:
+    """Rowwise linears sum partial outputs in forward, colwise ones input gradients in
+    backward; under sequence parallelism as reduce-scatter / all-gather pairs."""
+    rowwise = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        names = w.device_mesh.mesh_dim_names or () if isinstance(w, DTensor) else ()
+        if isinstance(m, nn.Linear) and "tp" in names \
+                and w.placements[names.index("tp")].is_shard(1):
+            rowwise += 1
+    sp = inputs.get("sequence_parallel") is not None
+    n = rowwise * batch.micro_batches
+    size = n * batch.tokens * batch.hidden * batch.act_bytes
+    return (collective("reduce_scatter" if sp else "all_reduce", "tp", n, size,
+                       "rowwise linear outputs (forward)")
+            + collective("all_gather" if sp else "all_reduce", "tp", n, size,
+                         "rowwise linear input gradients (backward)"))
+
+
+def _loss_context(options: TPOptions):
+    """The vocabulary-sharded logits' loss is computed in parallel inside ``loss_parallel``."""
+    if not options.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -250,5 +281,8 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
+    loss_context=_loss_context,
+    collectives=_collectives,
+    reads={"sequence_parallel"},  # only to count its collectives as sp lays them out
     doc="tensor parallelism: parallelize_module with the model's (or a user's) TP plan",
 )

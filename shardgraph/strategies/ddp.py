@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -10,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.axes import Axis
 from ..core.context import MeshContext
+from ..core.values import BatchShape, collective
 from ..plugins import Kind, Plugin
 
 
@@ -34,6 +36,13 @@ def _apply(model: nn.Module, options: DDPOptions, ctx: MeshContext, inputs: dict
     )
 
 
+def _collectives(model: nn.Module, options: DDPOptions, ctx: MeshContext,
+                 inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
+    grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    bucket = options.bucket_cap_mb * 2**20
+    return collective("all_reduce", "dp", math.ceil(grad / bucket), grad, "DDP gradient buckets")
+
+
 def _grad_sync(model: nn.Module, options: DDPOptions, enabled: bool) -> None:
     # What DistributedDataParallel.no_sync() toggles, without forcing a `with` block.
     if isinstance(model, DistributedDataParallel):
@@ -50,6 +59,7 @@ PLUGIN = Plugin(
     conflicts={"model_parallel", "hybrid_shard"},
     apply=_apply,
     grad_sync=_grad_sync,
+    collectives=_collectives,
     keeps_fqns=False,  # parameters gain the wrapper's "module." prefix
     needs_storage=True,  # DDP broadcasts and buckets real parameters at construction
     doc="DistributedDataParallel: replicated parameters, all-reduced gradients",

@@ -7,18 +7,13 @@ from typing import Any
 import attrs
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from ..core.axes import Axis
 from ..core.blocks import blocks_violation, find_blocks
 from ..core.context import MeshContext
-from ..parallelisms.mixed_precision import fsdp_policy
+from ..core.values import BatchShape, PrecisionPolicy, ShardingSettings, StepRunner, collective
 from ..plugins import Kind, Plugin
 
 
@@ -44,23 +39,64 @@ def _apply(model: nn.Module, options: FSDP2Options, ctx: MeshContext, inputs: di
     if options.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU-only machine it fails.
         offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
-    root_policy = fsdp_policy(inputs.get("precision_policy"))
+    precision = inputs.get("precision_policy") or PrecisionPolicy()
+    root_policy = precision.fsdp()
     # Only the root casts its output: a block returning fp32 into the next bf16 unit (the
     # final norm and LM head live in the root) would mix dtypes inside the forward.
-    block_policy = MixedPrecisionPolicy(
-        param_dtype=root_policy.param_dtype, reduce_dtype=root_policy.reduce_dtype,
-        cast_forward_inputs=root_policy.cast_forward_inputs,
-    )
+    block_policy = precision.fsdp(cast_output=False)
     reshard = options.reshard_after_forward
     if reshard is None:
         reshard = ctx.layout.pp == 1
     common = dict(mesh=ctx.fsdp_mesh, reshard_after_forward=reshard, offload_policy=offload)
     for _, block in find_blocks(model, options.blocks):
         fully_shard(block, mp_policy=block_policy, **common)
-    # A pipelined model is run part by part (its stages): each part is a root of its own.
-    for root in getattr(model, "model_parts", None) or [model]:
+    # A pipeline's stages run one by one: each is a root of its own.
+    pipeline = inputs.get("pipeline_parallel")
+    roots = pipeline.parts() if isinstance(pipeline, StepRunner) else [model]
+    for root in roots:
         fully_shard(root, mp_policy=root_policy, **common)
     return model
+
+
+def _export(options: FSDP2Options, layout) -> dict[str, Any]:
+    return {"fully_shard": ShardingSettings(options.reshard_after_forward, options.cpu_offload)}
+
+
+def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
+                 inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
+    """Every unit's all-gathers (forward; backward again where it reshards after forward)
+    and its gradient reduce-scatter (once: on the last micro-batch)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    unit_ids = {id(u) for u in units}
+    inside = {id(m) for u in units for m in u.modules() if m is not u and id(m) in unit_ids}
+    gather = scatter = gathers = scatters = 0
+    for u in units:
+        nested = {id(p) for m in u.modules() if m is not u and id(m) in unit_ids
+                  for p in m.parameters()}
+        own = [p for p in u.parameters() if id(p) not in nested]
+        if not own:
+            continue
+        state = u._get_fsdp_state()._fsdp_param_group  # no public accessor for a unit's policy
+        size = state.mesh_info.shard_mesh_size
+        mp = state.mp_policy
+        p_dtype, r_dtype = mp.param_dtype, mp.reduce_dtype or mp.param_dtype
+        local = [(p.to_local() if isinstance(p, DTensor) else p) for p in own]
+        g = sum(t.numel() * size * (p_dtype or t.dtype).itemsize for t in local)
+        r = sum(t.numel() * size * (r_dtype or t.dtype).itemsize for t in local)
+        # a root is not resharded after forward: one all-gather serves its backward too
+        times = 2 if state.post_forward_mesh_info is not None and id(u) in inside else 1
+        gathers += batch.micro_batches * times
+        gather += g * batch.micro_batches * times
+        scatters += 1
+        scatter += r
+    lay = ctx.layout
+    return (collective("all_gather", "dp_shard_cp", gathers, gather, "FSDP2 unsharded "
+                       "parameters (forward, and backward when resharded after forward)")
+            + collective("reduce_scatter", "dp_shard_cp", scatters, scatter, "FSDP2 gradients "
+                         "(last micro-batch only with defer_fsdp_grad_sync)")
+            + (collective("all_reduce", "dp_replicate", scatters,
+                          scatter // max(lay.dp_shard * lay.cp, 1),
+                          "HSDP gradient shards across replicas") if lay.dp_replicate > 1 else []))
 
 
 def _grad_sync(model: nn.Module, options: FSDP2Options, enabled: bool) -> None:
@@ -75,8 +111,11 @@ PLUGIN = Plugin(
     axis=Axis.DP_SHARD,
     provides={"data_parallel", "sharded_data_parallel", "fully_shard"},
     consumes={"precision_policy"},
+    reads={"pipeline_parallel"},  # the stages to wrap as roots
     model_check=_model_check,
     apply=_apply,
     grad_sync=_grad_sync,
+    export=_export,
+    collectives=_collectives,
     doc="fully_shard per transformer block, then the root (FSDP2 / ZeRO-3)",
 )
