@@ -64,7 +64,7 @@ def test_scopes_checkpoint_the_outermost_matches_and_stay_exact(scopes, expected
     ref = copy.deepcopy(model)
     feats, tokens = torch.randn(2, 3, 64), batch(global_batch=2)
     plan = Graph().add("activation_checkpointing", scopes=scopes).compile(world_size=1)
-    model = plan.apply(model, plan.build_mesh("cpu"))
+    model = plan.apply(model, plan.build_mesh("cpu")).module
     assert _checkpointed(model) == expected
     ref_loss, ref_grads = _loss_and_grads(ref, feats, tokens)
     loss, grads = _loss_and_grads(model, feats, tokens)

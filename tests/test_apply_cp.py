@@ -35,10 +35,11 @@ SCENARIOS = {
 }
 
 
-def _train_step(model, tokens, lr=0.1):
-    """The training loop's step: one call to shard the batch, the model's loss as it is."""
+def _train_step(model, tokens, prepare=dict, lr=0.1):
+    """One call to shard the batch (the parallelised model's prepare_batch), the model's loss
+    as it is."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    inputs = shard_batch(model, {"input_ids": tokens, "labels": tokens})
+    inputs = prepare({"input_ids": tokens, "labels": tokens})
     loss = model(**inputs).loss
     loss.backward()
     opt.step()
@@ -54,10 +55,11 @@ def _scenario(name: str, world_size: int) -> dict:
     ref = copy.deepcopy(model)
     ref_loss, _ = _train_step(ref, tokens)  # no cp: shard_batch passes the batch through
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    model = plan.apply(model, ctx)
+    parallel = plan.apply(model, ctx)
+    model = parallel.module
     dp = ctx.mesh("dp")
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
-    loss, inputs = _train_step(model, local)
+    loss, inputs = _train_step(model, local, parallel.prepare_batch)
     total = torch.tensor([loss])
     dist.all_reduce(total, group=dp.get_group())
     result = {
@@ -71,7 +73,7 @@ def _scenario(name: str, world_size: int) -> dict:
     }
     if name == "llama_cp":
         result["refused"] = [_refusal(lambda: model(input_ids=local, labels=local)),
-                             _refusal(lambda: shard_batch(model, {"input_ids": local[:, :6]}))]
+                             _refusal(lambda: parallel.prepare_batch({"input_ids": local[:, :6]}))]
     return result
 
 
@@ -198,5 +200,5 @@ def test_attentions_not_built_here_are_refused(attention):
 
 def test_shard_batch_leaves_a_batch_alone_without_cp():
     tokens = torch.ones(1, 6, dtype=torch.long)
-    assert shard_batch(tiny_llama(), {"input_ids": tokens, "labels": tokens}) == {
+    assert shard_batch({"input_ids": tokens, "labels": tokens}, None) == {
         "input_ids": tokens, "labels": tokens}

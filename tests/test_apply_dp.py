@@ -44,7 +44,8 @@ def _scenario(name: str, world_size: int) -> dict:
     seen_dtypes = []
     model.model.layers[0].mlp.up_proj.register_forward_hook(
         lambda mod, args, out: seen_dtypes.append(args[0].dtype))
-    model = plan.apply(model, ctx)
+    parallel = plan.apply(model, ctx)
+    model = parallel.module
     dp = ctx.mesh("dp")
     rank, size = dp.get_local_rank(), dp.size()
     local = tokens.chunk(size)[rank]
@@ -52,11 +53,11 @@ def _scenario(name: str, world_size: int) -> dict:
     if name == "fsdp2_defer":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         halves = local.chunk(2)
-        plan.gradient_sync(model, False)
+        plan.gradient_sync(parallel, False)
         loss0 = model(input_ids=halves[0], labels=halves[0]).loss / 2
         loss0.backward()
         result["grad_after_first"] = any(p.grad is not None for p in model.parameters())
-        plan.gradient_sync(model, True)
+        plan.gradient_sync(parallel, True)
         loss1 = model(input_ids=halves[1], labels=halves[1]).loss / 2
         loss1.backward()
         opt.step()

@@ -103,7 +103,7 @@ def _scenario(name: str, world_size: int) -> dict:
     slices = list(torch.randint(0, VOCAB, (2 * world_size, 8), generator=g).chunk(world_size))
     ref_losses, ref_params = _reference(model, slices)
 
-    model = plan.apply(model, ctx)
+    model = plan.apply(model, ctx).module
     dp = ctx.mesh("dp").get_local_rank()
     tokens = slices[dp]
     moe = model.model.layers[0].mlp

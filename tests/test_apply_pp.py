@@ -100,7 +100,8 @@ def _scenario(name: str, world_size: int) -> dict:
     ref_loss, ref_params = reference(model, tokens, mbs, steps)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
-        model = plan.apply(model, ctx)
+        parallel = plan.apply(model, ctx)
+        model = parallel.module
     except PlanError as exc:
         if exc.rule == "unavailable":
             return {"unavailable": str(exc)}
@@ -111,7 +112,7 @@ def _scenario(name: str, world_size: int) -> dict:
     except TypeError as exc:
         called = str(exc)
     try:
-        plan.train_step(model, tokens[:1], lm_loss)  # 1 microbatch cannot fill the pipeline
+        plan.train_step(parallel, tokens[:1], lm_loss)  # 1 microbatch cannot fill the pipeline
         too_small = "no error"
     except PlanError as exc:
         too_small = str(exc)
@@ -122,7 +123,7 @@ def _scenario(name: str, world_size: int) -> dict:
         part.register_forward_hook(lambda mod, args, out: sent_dtypes.append(str(out.dtype)))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(steps):
-        loss = plan.train_step(model, local, lm_loss)
+        loss = plan.train_step(parallel, local, lm_loss)
         opt.step()
         opt.zero_grad()
     total = loss.clone()
@@ -347,8 +348,9 @@ def test_train_step_without_pp_is_a_plain_step():
     model = tiny_llama(layers=2)
     tokens = batch(global_batch=2)
     ref_loss, ref_params = reference(model, tokens, microbatch_size=2)
-    model = plan.apply(model, plan.build_mesh("cpu"))
-    loss = plan.train_step(model, tokens, lm_loss)
+    parallel = plan.apply(model, plan.build_mesh("cpu"))
+    loss = plan.train_step(parallel, tokens, lm_loss)
+    model = parallel.module
     torch.optim.SGD(model.parameters(), lr=LR).step()
     assert abs(loss.item() - ref_loss) < 1e-6
     assert max((p - ref_params[n]).abs().max().item() for n, p in model.named_parameters()) < 1e-7
@@ -364,14 +366,15 @@ def _fail_worker(rank: int, world_size: int, port: int, out: str) -> None:
     text = "no error"
     try:
         plan = Graph().add("pp", size=2).compile(world_size=world_size)
-        model = plan.apply(tiny_llama(layers=2), plan.build_mesh("cpu"))
+        parallel = plan.apply(tiny_llama(layers=2), plan.build_mesh("cpu"))
+        model = parallel.module
 
         def boom(module, args):
             raise ValueError("activation is NaN")
 
         if model.has_last:
             model.model_parts[-1].register_forward_pre_hook(boom)
-        plan.train_step(model, batch(global_batch=2), lm_loss)
+        plan.train_step(parallel, batch(global_batch=2), lm_loss)
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
         text = f"{type(exc).__name__}: {exc}"
     Path(out, f"rank{rank}.txt").write_text(text)

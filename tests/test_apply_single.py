@@ -18,7 +18,7 @@ def test_policies_apply_on_one_device_and_match_the_reference():
     ref_loss, ref_params = reference(model, tokens)
     seen = []
     model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-    model = plan.apply(model, plan.build_mesh("cpu"))
+    model = plan.apply(model, plan.build_mesh("cpu")).module
     assert all("checkpoint" in (_get_registry(b) or {}) for b in model.model.layers)
     logits = model(input_ids=tokens).logits
     assert seen[-1] == torch.bfloat16 and logits.dtype == torch.float32
@@ -32,14 +32,14 @@ def test_activation_checkpointing_alone_is_exact():
     plan = Graph().add("activation_checkpointing").compile(world_size=1)
     model, tokens = tiny_llama(), batch()
     ref_loss, ref_params = reference(model, tokens)
-    model = plan.apply(model, plan.build_mesh("cpu"))
+    model = plan.apply(model, plan.build_mesh("cpu")).module
     assert sgd_step(model, tokens) == pytest.approx(ref_loss, abs=1e-6)
     assert max((p - ref_params[n]).abs().max().item() for n, p in model.named_parameters()) < 1e-7
 
 
 def test_a_plan_applies_once():
     plan = Graph().add("activation_checkpointing").compile(world_size=1)
-    model = plan.apply(tiny_llama(), plan.build_mesh("cpu"))
+    model = plan.apply(tiny_llama(), plan.build_mesh("cpu")).module
     with pytest.raises(PlanError) as info:
         plan.apply(model, plan.build_mesh("cpu"))
     assert info.value.rule == "applied-twice"

@@ -132,7 +132,7 @@ def _scenario(name: str, world_size: int) -> dict:
     ref_loss = step(ref, tokens)
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     full_numel = {n: p.numel() for n, p in model.named_parameters()}
-    model = plan.apply(model, ctx)
+    model = plan.apply(model, ctx).module
     dp = ctx.mesh("dp")
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
     result = {"ref_loss": ref_loss, "steps": [s.plugin for s in plan.steps]}

@@ -130,7 +130,7 @@ def test_name_collision_needs_override():
 def test_third_party_policy_applies_at_world_size_one(third_party):
     registry = builtin_registry()
     plan = Graph().add("marker", label="seen").compile(world_size=1, registry=registry)
-    model = plan.apply(nn.Linear(2, 2), plan.build_mesh("cpu"))
+    model = plan.apply(nn.Linear(2, 2), plan.build_mesh("cpu")).module
     assert model.marker == "seen"
 
 

@@ -155,7 +155,7 @@ def _load_under(rank: int, world: int, text: str, path: str, plugins: list[str])
     for plugins_text in plugins:
         pipeline = loads_pipeline(text.replace("{plugins}", plugins_text))
         plan = pipeline.graph.compile(world_size=world)
-        model = plan.apply(build_model(pipeline.model, seed=99), plan.build_mesh("cpu"))
+        model = plan.apply(build_model(pipeline.model, seed=99), plan.build_mesh("cpu")).module
         ckpt.load(Path(path), model, None)
         full = ckpt.full_state_dict(model)
         out[plugins_text] = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest()

@@ -58,7 +58,8 @@ def one_process(kind: str = "llama") -> dict[str, torch.Tensor]:
 
     plan = sg.Graph().compile(world_size=1)
     model = meta(kind)
-    model = plan.apply(model, plan.build_mesh("cpu"), init=seeded_init(SEED, model._init_weights))
+    model = plan.apply(model, plan.build_mesh("cpu"),
+                       init=seeded_init(SEED, model._init_weights)).module
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -107,7 +108,8 @@ def _in_group(rank: int, world: int, refs: dict, hf_dir: str, out_dir: str) -> d
     for name, (graph, kind, gather) in _graphs().items():
         plan = graph.compile(world_size=world)
         model = meta(kind)
-        model = plan.apply(model, plan.build_mesh("cpu"), init=seeded_init(SEED, model._init_weights))
+        model = plan.apply(model, plan.build_mesh("cpu"),
+                           init=seeded_init(SEED, model._init_weights)).module
         if gather:
             state = _full_state(model)
             if name.startswith("pp"):  # each pp rank gathers its stage's parameters
@@ -121,7 +123,7 @@ def _in_group(rank: int, world: int, refs: dict, hf_dir: str, out_dir: str) -> d
             result[name] = _local_mismatches(model, refs[kind])
     # a bf16 checkpoint in several files, read sharded into an fp32 tp x fsdp2 model
     plan = sg.Graph().add("tp", size=2).add("fsdp2").compile(world_size=world)
-    model = plan.apply(meta(), plan.build_mesh("cpu"), init=hf_load(hf_dir))
+    model = plan.apply(meta(), plan.build_mesh("cpu"), init=hf_load(hf_dir)).module
     result["hf_load"] = _local_mismatches(model, refs["hf"])
     # and written back sharded, without a gather
     specs = tensor_specs(meta())
@@ -145,7 +147,7 @@ def _peak_growth(rank: int, world: int) -> dict:
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(sum(p.numel() * 4 for p in m.parameters(recurse=False))
                   for m in model.modules())
-    model = plan.apply(model, ctx, init=seeded_init(SEED, model._init_weights))
+    model = plan.apply(model, ctx, init=seeded_init(SEED, model._init_weights)).module
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     local = sum(p.to_local().numel() * 4 for p in model.parameters())
     return {"growth": after - before, "full": full, "local": local, "largest": largest}

@@ -13,9 +13,12 @@ from ..core.context import MeshContext, build_mesh_context
 from ..core.errors import PlanError, Violation
 from ..core.layout import MeshLayout
 from ..core.options import converter, unstructure
+from ..core.values import Applied
 
 if TYPE_CHECKING:
     import torch.nn as nn
+
+    from .runtime import ParallelModel
 
     from ..plugins import Registry
 
@@ -129,8 +132,9 @@ class Plan:
             raise PlanError(bad)
 
     def apply(self, model: nn.Module, ctx: MeshContext, *,
-              init: Callable[[nn.Module], None] | None = None) -> nn.Module:
-        """Apply every step in order; returns the (possibly wrapped) model.
+              init: Callable[[nn.Module], None] | None = None) -> ParallelModel:
+        """Apply every step in order; returns the :class:`ParallelModel` (``.module`` is the
+        model as the plan left it, ``.step(...)`` one training step).
 
         All model checks run first: when one fails nothing has been changed. A model built on
         ``meta`` (``shardgraph.weights.meta_params``) is sharded while it holds no storage;
@@ -139,10 +143,16 @@ class Plan:
         ``needs_storage`` or at the end. ``init`` on a model with storage re-fills it the same
         way (the weights then do not depend on how the model was built). Without ``init`` a meta
         model stays on ``meta`` (what the dry run measures).
+
+        Each step gets, in ``inputs``, the typed value (``core.values``) of every capability it
+        consumes, reads or requires: exported from the provider's options (``export``) or by
+        the provider's ``apply`` (``Applied(values=...)``); else the provider's options.
         """
         from ..weights import materialize
+        from .runtime import ParallelModel
 
         self.check_model(model, ctx)
+        values: dict[str, Any] = {}
         pending = init is not None
         for step in self.steps:
             plugin = self.registry.get(step.plugin)
@@ -150,8 +160,10 @@ class Plan:
                 materialize(model, ctx.device, init)
                 pending = False
             names = _param_names(model) if plugin.keeps_fqns else None
-            inputs = {cap: opts for cap, _, opts in step.inputs}
-            out = plugin.apply(model, step.options, ctx, inputs)
+            out = plugin.apply(model, step.options, ctx, self.inputs_of(step, values))
+            if isinstance(out, Applied):
+                values.update(out.values)
+                out = out.model
             if out is None:
                 raise RuntimeError(f"plugin {step.plugin!r}: apply returned None, not the model")
             if names is not None and out is model and _param_names(out) != names:
@@ -162,34 +174,51 @@ class Plan:
         if pending:
             materialize(model, ctx.device, init)
         object.__setattr__(model, _APPLIED, self)
-        return model
+        return ParallelModel(self, ctx, model, values)
 
-    def train_step(self, model: nn.Module, batch: Any, loss_fn: Any) -> Any:
+    def exported(self) -> dict[str, Any]:
+        """The values the plan's plugins export from their options (``Plugin.export``)."""
+        out: dict[str, Any] = {}
+        seen = {s.plugin for s in self.steps} | {name for s in self.steps for _, name, _ in s.inputs}
+        for name in sorted(seen):
+            plugin = self.registry.get(name)
+            if plugin.export is not None:
+                options = next((s.options for s in self.steps if s.plugin == name), None)
+                if options is None:
+                    options = next(o for s in self.steps for _, n, o in s.inputs if n == name)
+                out.update(plugin.export(options, self.layout))
+        return out
+
+    def inputs_of(self, step: Step, values: Mapping[str, Any]) -> dict[str, Any]:
+        """What ``step``'s hooks get as ``inputs``: capability -> value (docstring of apply)."""
+        plugin = self.registry.get(step.plugin)
+        exported = self.exported()
+        out: dict[str, Any] = {}
+        for cap, provider, options in step.inputs:
+            out[cap] = exported.get(cap, options)
+        for cap in plugin.consumes | plugin.reads | plugin.requires:
+            if cap in values:
+                out[cap] = values[cap]
+            elif cap in exported and cap not in out:
+                out[cap] = exported[cap]
+        return out
+
+    def train_step(self, model: ParallelModel, batch: Any, loss_fn: Any) -> Any:
         """Forward and backward of one batch, pipelined or not; the loss on every rank
-        (``graphs/train_step.py``)."""
+        (``graphs/train_step.py``). ``model.step`` is the whole step (loss weighting, gradient
+        norm, clipping, optimizer)."""
         from .train_step import train_step
 
         return train_step(model, batch, loss_fn)
 
-    def prepare_batch(self, model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """This rank's share of ``batch`` (keyword arguments of ``model(**batch)``): every step
-        that declares ``prepare_batch`` reshapes it in plan order (cp keeps this rank's part of
-        each sequence, with labels shifted over the whole sequence). Without such a step the
-        batch comes back as it was (a new dict with the same items)."""
-        out = dict(batch)
-        for step in self.steps:
-            plugin = self.registry.get(step.plugin)
-            if plugin.prepare_batch is not None:
-                out = plugin.prepare_batch(model, step.options, out)
-        return out
+    def prepare_batch(self, model: ParallelModel, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``batch``: ``model.prepare_batch(batch)``."""
+        return model.prepare_batch(batch)
 
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+    def gradient_sync(self, model: ParallelModel, enabled: bool) -> None:
         """Turn gradient reduction on (last micro-batch) or off (the others) where a step
-        supports deferring it; a no-op for steps that always reduce."""
-        for step in self.steps:
-            plugin = self.registry.get(step.plugin)
-            if plugin.grad_sync is not None:
-                plugin.grad_sync(model, step.options, enabled)
+        supports deferring it: ``model.gradient_sync(enabled)``."""
+        model.gradient_sync(enabled)
 
 
 def _param_names(model: nn.Module) -> list[str]:

@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn as nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,19 +33,19 @@ def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def train_step(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
+def train_step(model: Any, batch: Any, loss_fn: LossFn) -> torch.Tensor:
     """Forward and backward of ``batch``; returns the detached loss.
 
     ``loss_fn(logits, targets)`` gets the model's output (an HF output's ``logits``) and the
     targets. Under pp the batch is cut into ``microbatch_size`` microbatches and the loss is
     their mean, broadcast from the last stage to every rank of the pipeline.
     """
-    from ..parallelisms._pp_model import PipelinedModel
-
     inputs, targets = split_batch(batch)
-    if isinstance(model, PipelinedModel):
-        return model.step(inputs, targets, loss_fn)
-    out = model(inputs)
+    runner = getattr(model, "runner", None)  # a ParallelModel whose steps run themselves
+    if runner is not None:
+        return runner.step(inputs, targets, loss_fn)
+    module = getattr(model, "module", model)
+    out = module(inputs)
     logits = getattr(out, "logits", out)
     loss = loss_fn(logits, targets)
     loss.backward()

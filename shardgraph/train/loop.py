@@ -1,15 +1,13 @@
 """The training loop: build, parallelise, train, report, checkpoint.
 
 Runs on every rank of an initialised process group (or in one process without any). It talks
-to the plan through ``Plan.build_mesh``, ``Plan.apply``, ``Plan.gradient_sync`` and
-``Plan.train_step`` (which runs the pipeline schedule under pp) and ``Plan.prepare_batch``
-(a plugin's share of each batch, e.g. cp's part of every sequence), so a new plugin works here
-without a change to this file.
+to the plan through ``Plan.build_mesh``, ``Plan.apply`` and the ``ParallelModel`` it returns,
+whose ``step`` is one call under every plan (``graphs/runtime.py``): a new plugin that declares
+its hooks works here without a change to this file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import resource
 import sys
@@ -22,14 +20,12 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from ..core.errors import PlanError, Violation
 from ..graphs.plan import Plan
 from . import checkpoint as ckpt
 from .config import Pipeline
-from .data import IGNORE_INDEX, TokenStream, local_slice
+from .data import TokenStream, local_slice
 from .model import fingerprint, hf_config, meta_model, weights
 
 
@@ -95,7 +91,7 @@ def resume_point(pipeline: Pipeline) -> Path | None:
     return path
 
 
-def make_optimizer(model: nn.Module, pipeline: Pipeline) -> torch.optim.Optimizer:
+def make_optimizer(model: Any, pipeline: Pipeline) -> torch.optim.Optimizer:
     t = pipeline.train
     params = [p for p in model.parameters() if p.requires_grad]
     if t.optimizer == "adamw":
@@ -108,31 +104,6 @@ def peak_memory_bytes() -> int:
         return torch.cuda.max_memory_allocated()
     # ru_maxrss is in KiB on Linux: the process's peak resident memory
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weight: float) -> torch.Tensor:
-    """The summed loss of every predicted token (labels shifted by one; ``IGNORE_INDEX`` is not
-    predicted) divided by ``weight``: the global batch's predicted-token count over dp, so
-    that the strategy's gradient average over dp ranks gives the token-weighted mean of the
-    global batch however the masked tokens fall on the ranks."""
-    return nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-        ignore_index=IGNORE_INDEX, reduction="sum") / weight
-
-
-def _loss_context(plan: Plan):
-    """``loss_parallel()`` when a step keeps the logits sharded over the vocabulary (an option
-    named ``loss_parallel``, whichever plugin declares it): forward and backward run inside."""
-    if any(getattr(s.options, "loss_parallel", False) for s in plan.steps):
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-    return contextlib.nullcontext()
-
-
-def _pipelined(model: nn.Module) -> bool:
-    """A pipelined model is not called like a module: ``Plan.train_step`` runs its schedule."""
-    return hasattr(model, "model_parts")
 
 
 class Reporter:
@@ -189,8 +160,9 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
     # Built on meta and sharded there: each rank then allocates and fills only its shards.
     model = meta_model(pipeline.model)
     n_params = sum(p.numel() for p in model.parameters())
-    model = plan.apply(model, ctx, init=weights(pipeline.model, t.seed, model))
-    optimizer = make_optimizer(model, pipeline)
+    name = type(model).__name__
+    parallel = plan.apply(model, ctx, init=weights(pipeline.model, t.seed, model))
+    optimizer = make_optimizer(parallel, pipeline)
     config = hf_config(pipeline.model)
     stream = TokenStream(pipeline.data, config.vocab_size, seed=t.seed,
                          model_path=pipeline.model.path,
@@ -198,83 +170,44 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
 
     start = 0
     report = Reporter(total, metrics, t.log_every, rank)
-    report.info(f"{pipeline.source}: {type(model).__name__.removeprefix('FSDP')} "
+    report.info(f"{pipeline.source}: {name} "
                 f"{n_params:,} parameters, {world} process{'es' if world > 1 else ''} ({dev}), "
                 f"plan: {' -> '.join(s.plugin for s in plan.steps) or 'none'}, "
                 f"mesh {plan.layout.sizes()}")
     if resume is not None:
-        ckpt.load(resume, model, optimizer)
+        ckpt.load(resume, parallel.module, optimizer)
         start = ckpt.read_meta(resume)["step"]
         report.info(f"resumed from {resume} at step {start}")
 
-    dp_size, dp_rank, loss_group = 1, 0, None
+    dp_size, dp_rank = 1, 0
     if ctx.device_mesh is not None:
         dp = ctx.mesh("dp")
         dp_size, dp_rank = dp.size(), dp.get_local_rank()
-        # context-parallel ranks hold parts of the same sequences: average over them too
-        loss_group = (ctx.mesh("dp_cp") if ctx.cp_size > 1 else dp).get_group()
-    local = t.global_batch_size // dp_size
-    micro = t.micro_batch_size or local
-    n_micro = local // micro
-    pipelined = _pipelined(model)
     seq_tokens = t.global_batch_size * pipeline.data.seq_len
     root = Path(pipeline.checkpoint.dir) if pipeline.checkpoint.dir else None
     meta = {"model": fingerprint(pipeline.model), "global_batch_size": t.global_batch_size,
             "seq_len": pipeline.data.seq_len, "world_size": world,
             "plan": [s.plugin for s in plan.steps]}
     rows: list[dict[str, Any]] = []
-    model.train()
+    parallel.train()
     for step in range(start, total):
         if dev != "cpu":
             torch.cuda.synchronize()
         began = time.perf_counter()
-        position = step * t.global_batch_size
-        batch = stream.batch(position, t.global_batch_size)
-        # Every rank holds the global batch here, so it counts the predicted tokens of the
-        # whole batch without a collective: the loss is their token-weighted mean.
-        weight = max(int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()), 1) / dp_size
+        batch = stream.batch(step * t.global_batch_size, t.global_batch_size)
         batch = {k: v.to(ctx.device) for k, v in local_slice(batch, dp_rank, dp_size).items()}
-        if pipelined:
-            # The schedule cuts the batch into its own microbatches and returns the mean of
-            # their losses on every rank of the pipeline: weigh each back by its share of rows.
-            n_rows = batch["input_ids"].shape[0]
-            loss_value = plan.train_step(model, batch, lambda logits, target: (
-                _causal_lm_loss(logits, target, weight) * (n_rows / logits.shape[0]))
-            ).float().reshape(())
-        else:
-            loss_value = torch.zeros((), device=ctx.device)
-            for i, (ids, labels) in enumerate(zip(batch["input_ids"].split(micro),
-                                                  batch["labels"].split(micro))):
-                plan.gradient_sync(model, i == n_micro - 1)
-                # A step may reshape the batch (cp: each rank keeps its share of the sequences
-                # and the labels shifted over the whole sequence); without one it is unchanged.
-                part = {"input_ids": ids, "labels": labels}
-                inputs = plan.prepare_batch(model, {**part, "num_items_in_batch": weight})
-                if inputs.keys() != {*part, "num_items_in_batch"}:
-                    # a reshaped batch: the model's own loss sums its tokens' losses and
-                    # divides by num_items_in_batch, the same weight as _causal_lm_loss
-                    loss = model(**inputs).loss
-                    loss.backward()
-                    loss = loss.detach()
-                else:
-                    with _loss_context(plan):
-                        loss = plan.train_step(model, part, lambda logits, target: (
-                            _causal_lm_loss(logits, target, weight)))
-                if isinstance(loss, DTensor):  # a vocabulary-parallel loss is replicated
-                    loss = loss.full_tensor()
-                loss_value += loss.float()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # One call under every plan: micro-batches, the token-weighted loss over the global
+        # batch, gradient sync on the last micro-batch, the global gradient norm, clipping
+        # and the optimizer step (graphs/runtime.py).
+        out = parallel.step(batch, optimizer, micro_batch_size=t.micro_batch_size,
+                            grad_clip=t.grad_clip)
         if dev != "cpu":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - began
-        loss_value = _global_mean(loss_value, loss_group)
         mem = _per_rank(peak_memory_bytes(), world, ctx.device)
-        row = {"step": step + 1, "loss": loss_value, "tokens_per_s": seq_tokens / elapsed,
-               "step_time_s": elapsed, "peak_mem_bytes": max(mem),
-               "peak_mem_bytes_per_rank": mem}
+        row = {"step": step + 1, "loss": out.loss, "grad_norm": out.grad_norm,
+               "tokens_per_s": seq_tokens / elapsed, "step_time_s": elapsed,
+               "peak_mem_bytes": max(mem), "peak_mem_bytes_per_rank": mem}
         rows.append(row)
         report.step(row)
         if on_step is not None:
@@ -283,28 +216,14 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         c = pipeline.checkpoint
         if root is not None and ((c.every and done % c.every == 0) or done == total):
             if not (root / ckpt.name(done)).exists():
-                path = ckpt.save(root, done, model, optimizer,
+                path = ckpt.save(root, done, parallel.module, optimizer,
                                  {**meta, "data_position": done * t.global_batch_size}, c.keep)
                 report.info(f"saved {path}")
     if pipeline.checkpoint.export_hf:
-        out = ckpt.export_hf(model, pipeline.model, Path(pipeline.checkpoint.export_hf))
+        out = ckpt.export_hf(parallel.module, pipeline.model, Path(pipeline.checkpoint.export_hf))
         report.info(f"exported {out}")
     report.close()
-    return {"rows": rows, "model": model, "optimizer": optimizer, "plan": plan, "ctx": ctx}
-
-
-def _global_mean(value: torch.Tensor, group) -> float:
-    """The loss averaged over the data(-and-context)-parallel ranks.
-
-    Each rank's loss is its summed token losses over the global token count / dp, so this
-    is the token-weighted mean over the global batch (tp and pp ranks of one replica hold the
-    same value; cp ranks each hold their replica's sum, counted cp times and divided by cp).
-    """
-    if not dist.is_initialized():
-        return value.item()
-    v = value.clone()
-    dist.all_reduce(v, group=group)
-    return v.item() / dist.get_world_size(group)
+    return {"rows": rows, "model": parallel, "optimizer": optimizer, "plan": plan, "ctx": ctx}
 
 
 def _per_rank(value: int, world: int, device: torch.device) -> list[int]:

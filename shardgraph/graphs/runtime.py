@@ -1,0 +1,219 @@
+"""The parallelised model: what ``Plan.apply`` returns, and one training step for every plan.
+
+``ParallelModel`` holds the model as the plan left it (``module``: every parameter this rank
+holds), the parts a step runs (one, or a pipeline's stages) and the values the steps exported.
+``step`` is the same call under every plan:
+
+1. the labels are shifted once over the whole sequence (``-100`` is ignored) and the tokens
+   that count are summed over the data-parallel ranks (``count``);
+2. each micro-batch is reshaped by the plugins that declare ``prepare_batch`` (cp keeps its part
+   of every sequence), run forward and backward inside the plugins' ``loss_context`` (tp's
+   ``loss_parallel``), or handed whole to a ``StepRunner`` value (pp's schedule); gradient
+   reduction happens on the last micro-batch only (``grad_sync``);
+3. the loss of a micro-batch is its token losses' sum times ``B / count``, B being the ranks
+   that hold distinct tokens (dp x cp), over which the strategy averages gradients: the
+   gradients are those of the token-weighted mean over the global batch, whatever the layout,
+   the accumulation or the masked tokens per rank;
+4. the global gradient norm: per mesh, DTensor gradients reduce their own norms exactly
+   (``full_tensor``); the squares are summed over the meshes and over ``pp``, whose ranks hold
+   different parameters; clipping scales every gradient by ``max_norm / norm`` (as
+   ``clip_grad_norm_`` does in one process); then the optimizer steps.
+
+Nothing here names a plugin: the hooks and values are declared, the axes are the mesh's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from ..core.axes import Axis
+from ..core.values import StepRunner
+
+if TYPE_CHECKING:
+    from ..core.context import MeshContext
+    from .plan import Plan
+
+IGNORE = -100
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@attrs.frozen
+class StepOutput:
+    #: token-weighted mean loss over the global batch (the same on every rank)
+    loss: float
+    #: global gradient norm before clipping (the same on every rank)
+    grad_norm: float
+    #: tokens that counted (labels not -100) in the global batch
+    tokens: int
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token labels over the whole sequence; the last position predicts nothing."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+class ParallelModel:
+    """This rank's share of a model after a plan (module docstring)."""
+
+    def __init__(self, plan: Plan, ctx: MeshContext, module: nn.Module,
+                 values: dict[str, Any]):
+        self.plan, self.ctx, self.module, self.values = plan, ctx, module, dict(values)
+        runners = [v for v in values.values() if isinstance(v, StepRunner)]
+        self.runner: StepRunner | None = runners[0] if runners else None
+
+    # -- what it holds -------------------------------------------------------------------
+    @property
+    def parts(self) -> list[nn.Module]:
+        """The modules a step runs: the pipeline's stages on this rank, or the module."""
+        return list(self.runner.parts()) if self.runner is not None else [self.module]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        self.module.train(mode)
+        return self
+
+    def __repr__(self) -> str:
+        return (f"ParallelModel({type(self.module).__name__}, parts={len(self.parts)}, "
+                f"steps={[s.plugin for s in self.plan.steps]})")
+
+    # -- the pieces of a step -------------------------------------------------------------
+    def prepare_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``batch`` (every ``prepare_batch`` hook in plan order)."""
+        out = dict(batch)
+        for step, plugin, inputs in self._hooks("prepare_batch"):
+            out = plugin.prepare_batch(out, step.options, self.ctx, inputs)
+        return out
+
+    def gradient_sync(self, enabled: bool) -> None:
+        for step, plugin, _ in self._hooks("grad_sync"):
+            for part in self.parts:
+                plugin.grad_sync(part, step.options, enabled)
+
+    def loss_context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for step, plugin, _ in self._hooks("loss_context"):
+            stack.enter_context(plugin.loss_context(step.options))
+        return stack
+
+    def _hooks(self, name: str):
+        for step in self.plan.steps:
+            plugin = self.plan.registry.get(step.plugin)
+            if getattr(plugin, name) is not None:
+                yield step, plugin, self.plan.inputs_of(step, self.values)
+
+    def _group(self, *axes: Axis):
+        """The process group over ``axes`` (data: ``dp``; data and context: ``dp_cp``), or None
+        where they hold one rank."""
+        lay = self.ctx.layout
+        if self.ctx.device_mesh is None or lay.dp * (lay.cp if Axis.CP in axes else 1) == 1:
+            return None
+        return self.ctx.mesh("dp_cp" if Axis.CP in axes and lay.cp > 1 else "dp").get_group()
+
+    def _sum(self, value: torch.Tensor, group) -> torch.Tensor:
+        if group is not None:
+            dist.all_reduce(value, group=group)
+        return value
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                         loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of one micro-batch (already shifted labels); returns the sum of
+        ``loss_fn`` on this rank, detached."""
+        if self.runner is not None:
+            return self.runner.run(input_ids, labels, loss_fn).detach()
+        inputs = self.prepare_batch({"input_ids": input_ids, "shift_labels": labels})
+        local = inputs.pop("shift_labels")
+        inputs = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
+        with self.loss_context():
+            out = self.module(**inputs)
+            loss = loss_fn(getattr(out, "logits", out), local)
+            loss.backward()
+        loss = loss.detach()
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of all gradients, each element counted once whatever the layout.
+
+        Gradients laid out alike (one mesh, one placement per mesh axis) sum their local
+        squares, then reduce over the mesh axes that shard them (never over replicated ones);
+        plain tensors are whole on every rank that holds them. The squares of every layout are
+        summed, and over ``pp``, whose ranks hold different parameters.
+        """
+        device = self.ctx.device
+        layouts: dict[Any, torch.Tensor] = {}
+        square = torch.zeros((), dtype=torch.float32, device=device)
+        for p in self.module.parameters():
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor):
+                key = (g.device_mesh, tuple(g.placements))
+                local = g.to_local().detach().float().pow(2).sum()
+                layouts[key] = layouts[key] + local if key in layouts else local
+            else:
+                square += g.detach().float().pow(2).sum()
+        for (mesh, placements), local in layouts.items():
+            for dim, placement in enumerate(placements):
+                # _StridedShard (fully_shard over a tp-sharded dim) answers is_shard() False
+                if not placement.is_replicate():
+                    dist.all_reduce(local, group=mesh.get_group(dim))
+            square += local.to(device)
+        if self.ctx.device_mesh is not None and self.ctx.layout.pp > 1:
+            dist.all_reduce(square, group=self.ctx.mesh(Axis.PP).get_group())
+        return square.sqrt()
+
+    def clip_grads_(self, max_norm: float, norm: torch.Tensor) -> None:
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self, batch: Mapping[str, torch.Tensor] | torch.Tensor,
+             optimizer: torch.optim.Optimizer | None, *, micro_batch_size: int | None = None,
+             grad_clip: float = 0.0) -> StepOutput:
+        """One optimizer step on this rank's share of the global batch (``input_ids`` and
+        optionally ``labels``, unshifted, ``-100`` ignored): module docstring."""
+        if isinstance(batch, torch.Tensor):
+            batch = {"input_ids": batch}
+        input_ids = batch["input_ids"].to(self.ctx.device)
+        labels = shift_labels(batch.get("labels", batch["input_ids"]).to(self.ctx.device))
+        lay = self.ctx.layout
+        data = self._group(Axis.DP)
+        count = self._sum((labels != IGNORE).sum().to(torch.int64), data)
+        total = int(count)
+        ranks = lay.dp * lay.cp  # distinct tokens; the strategy averages gradients over them
+        scale = ranks / max(total, 1)
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(),
+                                   ignore_index=IGNORE, reduction="sum") * scale
+
+        size = micro_batch_size or input_ids.shape[0]
+        chunks = list(zip(input_ids.split(size), labels.split(size)))
+        loss = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for i, (ids, lab) in enumerate(chunks):
+            self.gradient_sync(i == len(chunks) - 1)
+            loss += self.forward_backward(ids, lab, loss_fn).float().reshape(())
+        loss = self._sum(loss, self._group(Axis.DP, Axis.CP)) / ranks
+        norm = self.grad_norm()
+        if grad_clip > 0:
+            self.clip_grads_(grad_clip, norm)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return StepOutput(loss=float(loss), grad_norm=float(norm), tokens=total)
