@@ -19,7 +19,8 @@ class Encoder(nn.Module):
     def __init__(self, dim: int = 64, layers: int = 2):
         super().__init__()
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim)) for _ in range(layers))
+            nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+            for _ in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
