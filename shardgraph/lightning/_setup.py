@@ -66,12 +66,13 @@ class DistributedSetup:
             return 0
         return self.ctx.mesh(Axis.DP).get_local_rank()
 
-    def apply(self, module: nn.Module, *, perception: nn.Module | None = None):
+    def apply(self, module: nn.Module, *, perception: nn.Module | None = None, **kwargs: Any):
         """Parallelise ``module`` with the plan and return it. With ``perception``, ``module``
         is the LLM and the encoder gets data-parallel sharding (and its own activation
-        checkpointing): returns ``(llm, perception)``."""
+        checkpointing): returns ``(llm, perception)``. ``kwargs`` go to the LLM's
+        ``Plan.apply`` (``init=`` for a model built on ``meta``)."""
         if perception is None:
-            out = self.plan.apply(module, self.ctx)
+            out = self.plan.apply(module, self.ctx, **kwargs)
             self._applied.append((self.plan, out))
             return out
         pctx = self._composite_ctx()
@@ -81,7 +82,7 @@ class DistributedSetup:
             check = getattr(plan, "check_model", None)
             if check is not None:
                 check(part, ctx)
-        llm = self.plan.apply(module, self.ctx)
+        llm = self.plan.apply(module, self.ctx, **kwargs)
         encoder = self.perception_plan.apply(perception, pctx)
         self._applied += [(self.plan, llm), (self.perception_plan, encoder)]
         return llm, encoder
