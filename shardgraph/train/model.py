@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import inspect
 import json
+import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,19 +41,58 @@ def _architecture(name: str):
 def hf_config(spec: ModelConfig):
     """The HF config object of ``[model]`` (no weights, no download)."""
     if spec.path is not None:
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
+        # setattr stores any name: a key the loaded config lacks would be ignored
+        cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        check_config_keys(cls, type(config), spec.config, set(spec.config) - set(config.to_dict()))
         for key, value in {**spec.config, **ALWAYS}.items():
             setattr(config, key, value)
         return config
     cls = _architecture(spec.architecture)
     values = {**TINY, **spec.config, **ALWAYS}
     try:
-        return cls.config_class(**values)
+        config = cls.config_class(**values)
     except (TypeError, ValueError) as exc:
         raise PlanError([Violation("model", ("model.config",), f"{cls.config_class.__name__} "
                                    f"rejects these values: {exc}", hint="fix model.config")]) from None
+    # A config class keeps an unknown keyword as a stray attribute; one it understands under
+    # an older name (rope_theta -> rope_parameters) is consumed and does not reappear.
+    check_config_keys(cls, cls.config_class, spec.config, set(spec.config) & set(config.to_dict()))
+    return config
+
+
+def check_config_keys(model_class: type | None, config_class: type, given: dict[str, Any],
+                      stray: set[str]) -> None:
+    """Refuse ``[model.config]`` keys the model does not know (HF configs accept and ignore
+    any keyword, so a misspelt ``hiden_size`` would train as if absent).
+
+    ``stray``: the given keys the config kept as plain attributes instead of taking them up.
+    One is known when the config class declares it or the model's code reads it (models read
+    some settings with ``getattr(config, "head_dim", default)`` without declaring them).
+    """
+    declared = set(inspect.signature(config_class.__init__).parameters) - {"self", "kwargs"}
+    declared |= set(getattr(config_class, "attribute_map", {}))
+    if dataclasses.is_dataclass(config_class):
+        declared |= {f.name for f in dataclasses.fields(config_class)}
+    known = set(declared)
+    for cls in (model_class, config_class):
+        module = sys.modules.get(getattr(cls, "__module__", ""))
+        try:
+            source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        known |= set(re.findall(r"\bconfig\.(\w+)", source))
+        known |= set(re.findall(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"'](\w+)", source))
+    choices = sorted(k for k in known if not k.startswith("_"))
+    listed = ", ".join(sorted(k for k in declared if not k.startswith("_")))
+    bad = [Violation("model", (f"model.config.{key}",),
+                     f"{config_class.__name__} has no setting {key!r}{did_you_mean(key, choices)}",
+                     hint=f"correct or remove it; {config_class.__name__}'s keys: {listed}")
+           for key in given if key in stray and key not in known]
+    if bad:
+        raise PlanError(bad)
 
 
 def model_class(spec: ModelConfig, config=None):
@@ -107,16 +150,24 @@ def check_weights(spec: ModelConfig) -> list[Violation]:
     return check_checkpoint(shapes, Path(spec.path))
 
 
-def fingerprint(spec: ModelConfig) -> str:
-    """What a checkpoint must match to load into this model: class and config values."""
+#: config entries that change neither a checkpoint's tensors nor the numbers computed from
+#: them: bookkeeping, output switches, and what ``ALWAYS`` sets for every run
+_NOT_STATE = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype",
+              "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
+              "problem_type", "use_cache", "attn_implementation", "_attn_implementation_autoset"}
+
+
+def fingerprint(spec: ModelConfig) -> dict[str, Any]:
+    """What a checkpoint of this model must match: its class, dtype and every config value,
+    as ``model.*`` keys with JSON values (so a saved copy compares equal)."""
     config = hf_config(spec)
-    values = {k: v for k, v in config.to_dict().items()
-              if k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads", "num_key_value_heads", "num_local_experts",
-                       "num_experts", "moe_intermediate_size", "tie_word_embeddings",
-                       "architectures", "model_type")}
-    text = json.dumps(values, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16] + " " + text
+    arch = spec.architecture if spec.path is None else \
+        (getattr(config, "architectures", None) or [config.model_type])[0]
+    values: dict[str, Any] = {"model.architecture": arch, "model.dtype": spec.dtype}
+    for key, value in sorted(config.to_dict().items()):
+        if key not in _NOT_STATE:
+            values[f"model.config.{key}"] = value
+    return json.loads(json.dumps(values, default=str))
 
 
 def num_params(model: nn.Module) -> int:
