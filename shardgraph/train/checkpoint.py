@@ -10,12 +10,22 @@ Every rank writes its shards into the ``.tmp`` directory; once all have finished
 ``meta.json`` and renames the directory. A rename is atomic on one file system, so a crash at
 any moment leaves the previous checkpoint untouched and loadable. Shards are saved as DTensors
 with their global shapes, so a checkpoint written under one plan loads under any other.
+
+``meta.json`` records the run's ``settings``: the whole model config and the training values
+the saved state means something under (dtype, seq_len, optimizer, data, seed, batch size). A
+resume under other settings is refused before launch, naming each key; lr, weight_decay and
+grad_clip may change and are announced. A directory without ``meta.json`` or ``.metadata`` is
+not a checkpoint: it is never resumed from and a save of its step replaces it. A complete
+checkpoint whose shards are short or unreadable is refused (before launch when its files are
+short) with the previous complete checkpoint to resume from instead: falling back on our own
+would silently drop the newest steps, and a damaged file deserves a person's look.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -24,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,9 +47,17 @@ from ..core.errors import PlanError, Violation
 
 META = "meta.json"
 LATEST = "LATEST"
-#: Test hook: ``kill-in-save:STEP`` SIGKILLs every rank after the shards of STEP are written
-#: and before the rename: exactly the crash the layout above must survive.
+#: Test hooks: ``kill-in-save:STEP`` SIGKILLs every rank after the shards of STEP are written
+#: and before the rename: exactly the crash the layout above must survive;
+#: ``enospc-in-save:STEP`` fails rank 0's writing of meta.json as a full disk would.
 FAULT_ENV = "SHARDGRAPH_FAULT"
+_STEP_DIR = re.compile(r"step_\d+")
+#: settings that may change on resume (a schedule tweak): announced, not refused
+ADJUSTABLE = ("train.lr", "train.weight_decay", "train.grad_clip")
+
+
+class SaveFailed(PlanError):
+    """A save did not complete on some rank; every rank raises it, the model is untouched."""
 
 
 def _rank() -> int:
@@ -62,8 +81,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir()
-                  if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
-                  and is_complete(p))
+                  if p.is_dir() and _STEP_DIR.fullmatch(p.name) and is_complete(p))
 
 
 def latest(root: Path) -> Path | None:
@@ -87,38 +105,209 @@ def read_meta(path: Path, key: str = "checkpoint.resume") -> dict[str, Any]:
                                    hint="resume from an earlier checkpoint")]) from None
 
 
-def check_compatible(meta: dict[str, Any], fingerprint: str, path: Path) -> None:
-    if meta.get("model") != fingerprint:
+def previous(path: Path) -> Path | None:
+    """The newest complete checkpoint of the same directory older than ``path``."""
+    older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
+    return older[-1] if older else None
+
+
+def _instead(path: Path) -> str:
+    """What to do about an unusable checkpoint: resume from the one before, or start fresh."""
+    prev = previous(path)
+    fresh = ("start fresh with checkpoint.dir set to a new directory, or move "
+             f"{path.name} out of {path.parent}")
+    if prev is None:
+        return f"no earlier complete checkpoint is left: {fresh}"
+    return (f"resume from the previous complete checkpoint: in [checkpoint] set "
+            f"resume = \"{prev}\" (its later steps are saved again over {path.name}), or "
+            f"{fresh}")
+
+
+def settings(pipeline) -> dict[str, Any]:
+    """What a checkpoint of this run means something under: the whole model (``model.*``), and
+    the training values its optimizer state and data position depend on, plus ``ADJUSTABLE``."""
+    from .model import fingerprint
+
+    data, t = pipeline.data, pipeline.train
+    values = {**fingerprint(pipeline.model), "data.seq_len": data.seq_len,
+              "data.path": str(Path(data.path).resolve()) if data.path else None,
+              "train.global_batch_size": t.global_batch_size, "train.optimizer": t.optimizer}
+    if not data.path:  # the synthetic stream is drawn from the seed
+        values["train.seed"] = t.seed
+    if data.path and Path(data.path).suffix == ".bin":
+        values["data.token_dtype"] = data.token_dtype
+    if t.optimizer == "sgd":  # momentum 0 keeps no buffer: the optimizer state differs
+        values["train.momentum"] = t.momentum
+    values.update({key: getattr(t, key.split(".")[1]) for key in ADJUSTABLE})
+    return json.loads(json.dumps(values, default=str))
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def check_compatible(meta: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse ``path`` unless it was saved under ``current`` (``settings`` or a model's
+    ``fingerprint``): each differing key is named with both values."""
+    saved = meta.get("settings")
+    fresh = ("to start fresh, set checkpoint.dir to a new directory; to keep its weights "
+             f"under new settings, `shardgraph export` it and give the result as [model] path")
+    if not isinstance(saved, dict):
         raise PlanError([Violation(
-            "checkpoint", ("checkpoint.resume", "model"),
-            f"{path} was saved from another model:\n      saved: {meta.get('model')}\n"
-            f"      this:  {fingerprint}",
-            hint="resume with the [model] it was saved from, or use another checkpoint.dir")])
+            "checkpoint", ("checkpoint.resume",), f"{path} records no settings (saved by an "
+            "older shardgraph): whether it fits this run cannot be checked", hint=fresh)],
+            subject="[checkpoint]")
+    sections = {k.split(".")[0] for k in current}
+    keys = sorted(set(current) | {k for k in saved if k.split(".")[0] in sections})
+    missing = object()
+    # a training key only one side has (momentum under adamw) follows from one both have
+    differ = [k for k in keys if k not in ADJUSTABLE
+              and (k.startswith("model.") or (k in saved and k in current))
+              and saved.get(k, missing) != current.get(k, missing)]
+    if not differ:
+        return
+    what = "from another model" if any(k.startswith("model.") for k in differ) else \
+        "with other training settings"
+    lines = "".join(f"\n      {k} = {_show(saved.get(k, '(unset)'))} in the checkpoint, "
+                    f"{_show(current.get(k, '(unset)'))} now" for k in differ)
+    raise PlanError([Violation(
+        "checkpoint", (*differ, "checkpoint.resume"), f"{path} was saved {what}:{lines}",
+        hint=f"set them back to resume; {fresh}")], subject="[checkpoint]")
+
+
+def changed(meta: dict[str, Any], current: dict[str, Any]) -> str:
+    """``ADJUSTABLE`` settings that differ from the checkpoint's, as a note for the resume line."""
+    saved = meta.get("settings") or {}
+    parts = [f"{k} {_show(saved[k])} -> {_show(current[k])}" for k in ADJUSTABLE
+             if k in saved and k in current and saved[k] != current[k]]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def check_intact(path: Path) -> None:
+    """Refuse a complete checkpoint whose shard files are missing or shorter than its
+    ``.metadata`` says (a truncated copy, a disk error): found before launch, not by DCP's
+    traceback on every rank."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(path)).read_metadata()
+        need: dict[str, int] = {}
+        for info in meta.storage_data.values():
+            end = info.offset + info.length
+            need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    except Exception as exc:  # a truncated or garbled pickle
+        problem = f"its .metadata is unreadable ({type(exc).__name__}: {exc})"
+    else:
+        problem = None
+        for name_, size in sorted(need.items()):
+            shard = path / name_
+            have = shard.stat().st_size if shard.is_file() else None
+            if have is None or have < size:
+                problem = (f"shard {name_} is missing" if have is None else
+                           f"shard {name_} holds {have} bytes, {size} expected: truncated")
+                break
+    if problem is not None:
+        raise PlanError([Violation("checkpoint", ("checkpoint.resume",),
+                                   f"checkpoint {path} is damaged: {problem}",
+                                   hint=_instead(path))], subject="[checkpoint]")
+
+
+def _agree(problem: str | None) -> str | None:
+    """Every rank's view of a step of the save: the first rank's problem, or None if all went
+    well (so all ranks raise together and none waits in a collective for a failed one)."""
+    if not dist.is_initialized():
+        return problem
+    seen: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, problem)
+    return next((p for p in seen if p is not None), None)
+
+
+def _failed(root: Path, step: int, problem: str) -> SaveFailed:
+    last = latest(root)
+    resume = (f"; resume = \"{last}\" goes on from the last complete checkpoint" if last
+              else "")
+    return SaveFailed([Violation(
+        "checkpoint", ("checkpoint.dir",), f"cannot save step {step} in {root}: {problem}; the "
+        "training state is intact and no checkpoint was changed",
+        hint=f"free space in {root}, or point [checkpoint] dir at a writable directory with "
+        f"room{resume}")], subject="[checkpoint]")
 
 
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          meta: dict[str, Any], keep: int) -> Path:
+    """Save ``step`` into ``root``; an existing ``step_*`` directory of that step (an
+    incomplete one, or one a run resumed from an older checkpoint is redoing) is replaced.
+
+    Raises ``SaveFailed`` on every rank if any rank's part failed (a full or read-only disk):
+    the model and optimizer are untouched and the previous checkpoints stay as they were.
+    """
     final, tmp = root / name(step), root / (name(step) + ".tmp")
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a crashed save: it was never complete
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    _barrier()
     fault = os.environ.get(FAULT_ENV, "")
-    if fault == f"kill-in-save:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    problem = None
     if _rank() == 0:
-        _write_atomic(tmp / META, json.dumps({**meta, "step": step}, indent=1))
-        os.rename(tmp, final)
-        _write_atomic(root / LATEST, final.name + "\n")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a crashed save: it was never complete
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+    problem = _agree(problem)
+    if problem is None:
+        try:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        except (Exception, CheckpointException) as exc:
+            problem = _root_cause(exc)
+        # dcp.save agrees by itself, but a rank failing before it must not leave the rest
+        # in its collectives
+        problem = _agree(problem)
+    if problem is None:
+        if fault == f"kill-in-save:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if _rank() == 0:
+            try:
+                if fault == f"enospc-in-save:{step}":
+                    raise OSError(28, "No space left on device (SHARDGRAPH_FAULT)")
+                _write_atomic(tmp / META, json.dumps({**meta, "step": step}, indent=1))
+                _replace_dir(tmp, final)
+                _write_atomic(root / LATEST, final.name + "\n")
+            except OSError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        problem = _agree(problem)
+    if problem is not None:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save only fills the disk
+        _barrier()
+        raise _failed(root, step, problem)
+    if _rank() == 0:
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old)
     _barrier()
     return final
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Rename ``new`` to ``final``; an existing ``final`` is moved aside first and deleted
+    after, so a crash leaves either the old directory or the new one (or ``.old``, which no
+    reader takes for a checkpoint)."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(new, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """One line for an error of DCP (a ``CheckpointException`` wraps each rank's own)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _trace) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        return f"rank {rank}: {type(inner).__name__}: {str(inner).strip()[:300]}"
+    return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -140,11 +329,12 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
         state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # DCP raises a CheckpointException wrapping each rank's error
+    # A CheckpointException (each rank's error wrapped) derives from BaseException
+    except (Exception, CheckpointException) as exc:
         raise PlanError([Violation(
-            "checkpoint", ("checkpoint.resume",), f"cannot load {path}: "
-            f"{str(exc).strip().splitlines()[-1][:300]}",
-            hint="the checkpoint does not fit this model or optimizer")]) from None
+            "checkpoint", ("checkpoint.resume",), f"cannot load checkpoint {path}, it is "
+            f"damaged or does not fit this model and optimizer: {_root_cause(exc)}",
+            hint=_instead(path))], subject="[checkpoint]") from None
     if optimizer is None:
         set_state_dict(model, (), model_state_dict=state["model"], optim_state_dict={})
     else:

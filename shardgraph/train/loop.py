@@ -26,7 +26,7 @@ from ..graphs.plan import Plan
 from . import checkpoint as ckpt
 from .config import Pipeline
 from .data import TokenStream, local_slice
-from .model import fingerprint, hf_config, meta_model, weights
+from .model import hf_config, meta_model, weights
 
 
 def device_type() -> str:
@@ -81,13 +81,10 @@ def resume_point(pipeline: Pipeline) -> Path | None:
     if path is None:
         return None
     meta = ckpt.read_meta(path)
-    ckpt.check_compatible(meta, fingerprint(pipeline.model), path)
-    if meta.get("global_batch_size") != pipeline.train.global_batch_size:
-        raise PlanError([Violation(
-            "checkpoint", ("train.global_batch_size", "checkpoint.resume"),
-            f"{path} was saved with global_batch_size = {meta.get('global_batch_size')}",
-            hint="resume with the batch size it was saved with (the data position counts "
-            "sequences of that size)")])
+    # every setting the saved state depends on (the data position counts sequences of
+    # global_batch_size, the optimizer state is the optimizer's, ...), then the shard files
+    ckpt.check_compatible(meta, ckpt.settings(pipeline), path)
+    ckpt.check_intact(path)
     return path
 
 
@@ -174,10 +171,12 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
                 f"{n_params:,} parameters, {world} process{'es' if world > 1 else ''} ({dev}), "
                 f"plan: {' -> '.join(s.plugin for s in plan.steps) or 'none'}, "
                 f"mesh {plan.layout.sizes()}")
+    settings = ckpt.settings(pipeline)
     if resume is not None:
         ckpt.load(resume, parallel.module, optimizer)
-        start = ckpt.read_meta(resume)["step"]
-        report.info(f"resumed from {resume} at step {start}")
+        saved = ckpt.read_meta(resume)
+        start = saved["step"]
+        report.info(f"resumed from {resume} at step {start}{ckpt.changed(saved, settings)}")
 
     dp_size, dp_rank = 1, 0
     if ctx.device_mesh is not None:
@@ -185,7 +184,7 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         dp_size, dp_rank = dp.size(), dp.get_local_rank()
     seq_tokens = t.global_batch_size * pipeline.data.seq_len
     root = Path(pipeline.checkpoint.dir) if pipeline.checkpoint.dir else None
-    meta = {"model": fingerprint(pipeline.model), "global_batch_size": t.global_batch_size,
+    meta = {"settings": settings, "global_batch_size": t.global_batch_size,
             "seq_len": pipeline.data.seq_len, "world_size": world,
             "plan": [s.plugin for s in plan.steps]}
     rows: list[dict[str, Any]] = []
@@ -215,9 +214,15 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         done = step + 1
         c = pipeline.checkpoint
         if root is not None and ((c.every and done % c.every == 0) or done == total):
-            if not (root / ckpt.name(done)).exists():
+            try:  # a directory of this step already there (incomplete, or redone) is replaced
                 path = ckpt.save(root, done, parallel.module, optimizer,
                                  {**meta, "data_position": done * t.global_batch_size}, c.keep)
+            except ckpt.SaveFailed as exc:
+                if done == total:
+                    raise
+                # the state in memory is intact: train on, the next save tries again
+                report.info(f"warning: {exc}")
+            else:
                 report.info(f"saved {path}")
     if pipeline.checkpoint.export_hf:
         out = ckpt.export_hf(parallel.module, pipeline.model, Path(pipeline.checkpoint.export_hf))
