@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -50,32 +51,79 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", default=None, help="append one JSON object per step to FILE")
 
 
+class _Stopped(BaseException):
+    """SIGTERM (or SIGHUP) reached the launcher: a BaseException, like KeyboardInterrupt, so
+    no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame) -> None:
+    raise _Stopped(signum)
+
+
 def _train(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        return _worker(args)
+    # The launcher: a signal stops every worker and ends in one line and 128 + its number.
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import threading
+
+    handled = (signal.SIGTERM, signal.SIGHUP)
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's rule
+    before = {s: signal.signal(s, _raise_stopped) for s in handled} if main_thread else {}
+    try:
+        return _launcher(args)
+    except (_Stopped, SignalException, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, _Stopped) else \
+            int(exc.sigval) if isinstance(exc, SignalException) else int(signal.SIGINT)
+        print(f"shardgraph train: stopped by {signal.Signals(signum).name}; every worker was "
+              "stopped", file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _launcher(args: argparse.Namespace) -> int:
     import torch
 
-    from .loop import compile_for, resume_point
+    from .config import sectioned
+    from .preflight import check
 
-    if args.steps is not None and args.steps < 1:
-        raise PlanError([Violation("value", ("--steps",), f"--steps must be >= 1, got "
-                                   f"{args.steps}", hint="e.g. --steps 20")])
-    pipeline = _pipeline(args)
-    if _under_torchrun():
-        return _run_in_place(args, pipeline)
-    nproc = _nproc(args, pipeline)
-    compile_for(pipeline, nproc, "--nproc")  # every plan and batch problem before launching
-    resume_point(pipeline)  # a missing, corrupt or foreign checkpoint: before launching
-    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise PlanError([Violation(
-            "world-size", ("--nproc",), f"--nproc {nproc} but this node has "
-            f"{torch.cuda.device_count()} GPUs", hint="launch multi-node runs with torchrun")])
+    try:
+        if args.steps is not None and args.steps < 1:
+            raise PlanError([Violation("value", ("--steps",), f"--steps must be >= 1, got "
+                                       f"{args.steps}", hint="e.g. --steps 20")])
+        pipeline = _pipeline(args)
+        nproc = _nproc(args, pipeline)
+        # every plan, model, data and checkpoint problem at once, before anything is launched
+        check(pipeline, nproc, "--nproc")
+        if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+            raise PlanError([Violation(
+                "world-size", ("--nproc",), f"--nproc {nproc} but this node has "
+                f"{torch.cuda.device_count()} GPUs", hint="launch multi-node runs with torchrun")])
+    except PlanError as exc:
+        raise sectioned(exc) from None
     if nproc == 1:
         return _run_in_place(args, pipeline)
     return _launch(args, nproc)
 
 
+#: Set for the workers of ``shardgraph train``'s own launch: they leave reporting to it.
+LAUNCHED_ENV = "SHARDGRAPH_LAUNCHED"
+
+
 def _launch(args: argparse.Namespace, nproc: int) -> int:
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import parse_args, run
 
     forwarded = ["train"] + ([str(Path(args.file).resolve())] if args.file else [])
     if args.steps is not None:
@@ -84,15 +132,33 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
         forwarded += ["--metrics", str(Path(args.metrics).resolve())]
     # One thread per process: N processes share the cores (torchrun would warn and set it).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[LAUNCHED_ENV] = "1"
+    # torchrun's agent logs each worker it stops and a failure table: the report below says
+    # it in one place (LOGLEVEL, torchrun's own switch, brings its logs back)
+    quiet = "LOGLEVEL" not in os.environ
+    if quiet:
+        logging.disable(logging.ERROR)
     try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "shardgraph.train",
-                  *forwarded])
+        # run(), not torchrun's main(): main's @record would log again about error files
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "shardgraph.train",
+                        *forwarded]))
     except ChildFailedError as exc:
-        codes = [f.exitcode for f in exc.failures.values()]
-        code = next((c for c in codes if c and c > 0), 1)
-        print(f"shardgraph train: a process failed (exit code {code})", file=sys.stderr)
-        return code
+        return _report_failure(exc.failures)
+    finally:
+        os.environ.pop(LAUNCHED_ENV, None)
+        if quiet:
+            logging.disable(logging.NOTSET)
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """One rank of a torchrun group (launched by ``shardgraph train`` or by hand)."""
+    import signal
+
+    # Ctrl-C: torchrun forwards SIGINT to each worker; dying at once and quietly (even inside
+    # a collective, where a Python handler would wait) leaves the one report to the launcher.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return _run_in_place(args, None)
 
 
 def _run_in_place(args: argparse.Namespace, pipeline) -> int:
@@ -102,30 +168,41 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
     import torch
     import torch.distributed as dist
 
+    from .config import sectioned
     from .loop import train
 
     launched = _under_torchrun()
-    if launched and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl")
-        else:
-            dist.init_process_group("gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    # our own launcher prints the failing rank's message; under a bare torchrun each prints
+    reports = not os.environ.get(LAUNCHED_ENV)
+    rank = int(os.environ.get("RANK", 0))
     code = 0
     try:
+        if pipeline is None:
+            if args.steps is not None and args.steps < 1:
+                raise PlanError([Violation("value", ("--steps",), f"--steps must be >= 1, "
+                                           f"got {args.steps}", hint="e.g. --steps 20")])
+            pipeline = _pipeline(args)
+        if launched and not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                dist.init_process_group("nccl")
+            else:
+                dist.init_process_group("gloo")
         train(pipeline, steps=args.steps, metrics=args.metrics)
     except PlanError as exc:
-        # the same input error on every rank: say it once
-        if rank == 0:
+        exc = sectioned(exc)
+        _record("plan", str(exc))
+        if reports and rank == 0:  # the same input error on every rank: say it once
             print(f"shardgraph train: {exc}", file=sys.stderr, flush=True)
         code = 2
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.flush()
+    except Exception as exc:
+        _record("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        if reports:
+            traceback.print_exc()
         code = 1
     if launched:
         sys.stdout.flush()
+        sys.stderr.flush()
         if code == 0 and dist.is_initialized():
             # gloo aborts at exit now and then unless the group is torn down first
             dist.barrier()
@@ -133,6 +210,79 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
             time.sleep(0.5)
         os._exit(code)  # a failed rank must not wait in a collective: torchrun stops the rest
     return code
+
+
+#: a worker's error that only follows from another rank's end (a peer gone mid-collective)
+_PEER_GONE = re.compile(r"connection (reset|closed|refused)|broken pipe|by peer|"
+                        r"DistNetworkError|DistBackendError|timed out", re.IGNORECASE)
+
+
+def _record(kind: str, text: str, trace: str = "") -> None:
+    """Leave this rank's error where torchrun looks for it (``TORCHELASTIC_ERROR_FILE``: its
+    failure report shows ``message``), with what our launcher needs to pick the root cause."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    if kind == "error" and _PEER_GONE.search(text):
+        kind = "peer"
+    data = {"message": text, "timestamp": int(time.time()),
+            "shardgraph": {"kind": kind, "text": text, "traceback": trace,
+                           "time": time.time()}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the exit code still tells the launcher this rank failed
+
+
+def _report_failure(failures: dict) -> int:
+    """One report for a failed group: the rank whose failure came first and caused the rest,
+    with its own message. torchrun lists every rank that ended, including those it stopped
+    itself (with SIGTERM) and those that only lost a peer."""
+    import signal
+
+    def rank_of(item):
+        order, (rank, failure) = item
+        data = failure.error_file_data
+        rec = data.get("shardgraph") if isinstance(data, dict) else None
+        if rec is None and failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
+            cls = 0  # killed from outside (SIGKILL: often the out-of-memory killer)
+        elif rec is not None and rec["kind"] != "peer":
+            cls = 1  # its own error
+        elif failure.exitcode < 0:
+            cls = 2  # SIGTERM: from outside, or torchrun stopping it after another's failure
+        elif rec is not None:
+            cls = 3  # it lost a peer
+        else:
+            cls = 4
+        return (cls, rec["time"] if rec is not None else order, order)
+
+    ranked = sorted(enumerate(failures.items()), key=rank_of)
+    _, (rank, failure) = ranked[0]
+    data = failure.error_file_data
+    rec = data.get("shardgraph") if isinstance(data, dict) else None
+    rest = "; the other workers were stopped"
+    if rec is None:
+        if failure.exitcode < 0:
+            name = failure.signal_name()
+            why = " (the out-of-memory killer sends it too)" if name == "SIGKILL" else ""
+            print(f"shardgraph train: rank {rank} was killed by {name} (signal "
+                  f"{-failure.exitcode}){why}{rest}", file=sys.stderr, flush=True)
+            return 1
+        print(f"shardgraph train: rank {rank} exited with code {failure.exitcode} without a "
+              f"message{rest}", file=sys.stderr, flush=True)
+        return failure.exitcode or 1
+    if rec["kind"] == "plan":
+        print(f"shardgraph train: rank {rank}: {rec['text']}", file=sys.stderr, flush=True)
+        return 2
+    if rec.get("traceback"):
+        print(f"rank {rank}: {rec['traceback'].rstrip()}", file=sys.stderr)
+    print(f"shardgraph train: rank {rank} failed: {rec['text']}{rest}", file=sys.stderr,
+          flush=True)
+    return 1
 
 
 def _dryrun_args(p: argparse.ArgumentParser) -> None:

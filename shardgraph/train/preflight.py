@@ -1,0 +1,179 @@
+"""What ``shardgraph train`` checks before it launches a single process.
+
+A problem found in a worker costs a launch (tens of seconds, minutes on a cluster) and, before
+this module, often its message: the first failing rank exits and the launcher stops the rest.
+So the launcher checks here, in one process and without a process group, everything that does
+not need one, and reports every problem at once: the plan and batch split at this world size,
+the model (architecture, config keys, a build on the ``meta`` device, which allocates nothing),
+the data (the data module's own checks), the checkpoint directory (writable, with room for a
+checkpoint of this model) and the checkpoint to resume from (complete, intact, saved under the
+same settings). Workers run the same checks that need no process group again, so the Python
+API (``train``) refuses the same inputs.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..core.errors import PlanError, Violation
+from .config import Pipeline, pipeline_error
+
+def check(pipeline: Pipeline, nproc: int, nproc_key: str = "--nproc") -> Path | None:
+    """Every problem of ``pipeline`` at ``nproc`` processes as one ``PlanError``; else the
+    checkpoint a run will resume from (None: a fresh start)."""
+    from .loop import compile_for, resume_point
+
+    bad: list[Violation] = []
+    plan = None
+    try:
+        plan = compile_for(pipeline, nproc, nproc_key)
+    except PlanError as exc:
+        bad += exc.violations
+    model = _model(pipeline, bad)
+    resume, model_bytes = None, None
+    if model is not None:  # data and resume checks need a model that builds
+        if plan is not None:
+            _model_checks(plan, model, nproc, bad)
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        _data(pipeline, bad)
+    bad += checkpoint_dir(pipeline, model_bytes)
+    if model is not None:
+        try:
+            resume = resume_point(pipeline)
+        except PlanError as exc:
+            bad += exc.violations
+    bad += _export_dir(pipeline)
+    if bad:
+        raise pipeline_error(bad)
+    return resume
+
+
+def _model(pipeline: Pipeline, bad: list[Violation]):
+    """The model built on ``meta``, or None with the problem."""
+    from .model import build_model
+
+    spec = pipeline.model
+    try:
+        model = build_model(spec, pipeline.train.seed, "meta")
+    except PlanError as exc:
+        bad += exc.violations
+        return None
+    except Exception as exc:  # the model class refusing its config (a shape that cannot be)
+        key = "model.path" if spec.path else "model.config"
+        bad.append(Violation(
+            "model", (key,), f"{spec.architecture if not spec.path else spec.path} cannot be "
+            f"built from this config: {type(exc).__name__}: {exc}",
+            hint=f"fix {key} (e.g. hidden_size must be a multiple of num_attention_heads)"))
+        return None
+    return model
+
+
+def _model_checks(plan, model, nproc: int, bad: list[Violation]) -> None:
+    """The plan's checks of the model (head counts that tp must divide, layers pp must split,
+    ...) as rank 0 of ``nproc`` would run them, on a fake process group like ``dryrun``'s."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return  # inside someone's process group: the workers run these checks
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nproc)
+    try:
+        plan.check_model(model, plan.build_mesh("cpu"))
+    except PlanError as exc:
+        bad += exc.violations
+    except Exception:  # noqa: BLE001 - a check that needs real tensors: the workers run it
+        pass
+    finally:
+        dist.destroy_process_group()
+
+
+def _data(pipeline: Pipeline, bad: list[Violation]) -> None:
+    """The data module's own checks (file readable, token ids within the vocabulary, ...)."""
+    from .data import TokenStream
+    from .model import hf_config
+
+    try:
+        TokenStream(pipeline.data, hf_config(pipeline.model).vocab_size, pipeline.train.seed)
+    except PlanError as exc:
+        bad += exc.violations
+
+
+def checkpoint_bytes(pipeline: Pipeline, model_bytes: int) -> int:
+    """About what one checkpoint of this run takes: parameters plus optimizer state."""
+    t = pipeline.train
+    # adamw keeps two moments per parameter, sgd one momentum buffer (none at momentum 0)
+    state = 2 if t.optimizer == "adamw" else (1 if t.momentum else 0)
+    return model_bytes * (1 + state)
+
+
+def _writable_ancestor(path: Path) -> tuple[Path, str | None]:
+    """The directory a save would create ``path`` in (or ``path`` itself), and why it cannot
+    be written (None: a probe directory was created and removed there)."""
+    at = path.absolute()
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        return at, f"{at} is a file, not a directory"
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".shardgraph-probe-", dir=at))
+    except OSError as exc:
+        why = {errno.EROFS: "is on a read-only file system",
+               errno.EACCES: "is not writable (permission denied)",
+               errno.EPERM: "is not writable (operation not permitted)",
+               errno.ENOSPC: "is on a full disk"}.get(exc.errno, f"cannot be written: {exc}")
+        return at, f"{at} {why}"
+    return at, None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def checkpoint_dir(pipeline: Pipeline, model_bytes: int | None) -> list[Violation]:
+    """``[checkpoint] dir`` can be written and has room for one more checkpoint (the first
+    save would otherwise fail after the steps before it were computed); the room only when
+    the model's size is known."""
+    c = pipeline.checkpoint
+    if c.dir is None:
+        return []
+    at, problem = _writable_ancestor(Path(c.dir))
+    fix = "point [checkpoint] dir at a writable directory with room for checkpoints"
+    if problem is not None:
+        return [Violation("checkpoint", ("checkpoint.dir",),
+                          f"checkpoints cannot be saved in {c.dir}: {problem}", hint=fix)]
+    if model_bytes is None:
+        return []
+    need, free = checkpoint_bytes(pipeline, model_bytes), shutil.disk_usage(at).free
+    if need > free:
+        return [Violation(
+            "checkpoint", ("checkpoint.dir",),
+            f"one checkpoint of this run takes about {_size(need)} (parameters and "
+            f"{pipeline.train.optimizer} state) but {at} has {_size(free)} free",
+            hint=f"free space there, or {fix}")]
+    return []
+
+
+def _export_dir(pipeline: Pipeline) -> list[Violation]:
+    """``export_hf`` is written at the very end: refuse now what would refuse it then."""
+    out = pipeline.checkpoint.export_hf
+    if out is None:
+        return []
+    path = Path(out)
+    if path.is_dir() and any(path.iterdir()):
+        return [Violation("checkpoint", ("checkpoint.export_hf",),
+                          f"{out} exists and is not empty: the export at the end would fail",
+                          hint="choose a new directory, or empty it")]
+    _, problem = _writable_ancestor(path)
+    if problem is not None:
+        return [Violation("checkpoint", ("checkpoint.export_hf",),
+                          f"the export cannot be written to {out}: {problem}",
+                          hint="choose a writable directory")]
+    return []
