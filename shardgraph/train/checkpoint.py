@@ -47,9 +47,10 @@ from ..core.errors import PlanError, Violation
 
 META = "meta.json"
 LATEST = "LATEST"
-#: Test hooks: ``kill-in-save:STEP`` SIGKILLs every rank after the shards of STEP are written
-#: and before the rename: exactly the crash the layout above must survive;
-#: ``enospc-in-save:STEP`` fails rank 0's writing of meta.json as a full disk would.
+#: Test hooks, comma-separated: ``kill-in-save:STEP`` SIGKILLs every rank after the shards of
+#: STEP are written and before the rename: exactly the crash the layout above must survive;
+#: ``enospc-in-save:STEP`` fails rank 0's writing of meta.json as a full disk would;
+#: ``raise-in-step:STEP:RANK`` (the launcher's) raises on one rank after STEP.
 FAULT_ENV = "SHARDGRAPH_FAULT"
 _STEP_DIR = re.compile(r"step_\d+")
 #: settings that may change on resume (a schedule tweak): announced, not refused
@@ -58,6 +59,10 @@ ADJUSTABLE = ("train.lr", "train.weight_decay", "train.grad_clip")
 
 class SaveFailed(PlanError):
     """A save did not complete on some rank; every rank raises it, the model is untouched."""
+
+
+def faults() -> set[str]:
+    return set(filter(None, os.environ.get(FAULT_ENV, "").split(",")))
 
 
 def _rank() -> int:
@@ -151,7 +156,7 @@ def check_compatible(meta: dict[str, Any], current: dict[str, Any], path: Path) 
     ``fingerprint``): each differing key is named with both values."""
     saved = meta.get("settings")
     fresh = ("to start fresh, set checkpoint.dir to a new directory; to keep its weights "
-             f"under new settings, `shardgraph export` it and give the result as [model] path")
+             "under new settings, `shardgraph export` it and give the result as [model] path")
     if not isinstance(saved, dict):
         raise PlanError([Violation(
             "checkpoint", ("checkpoint.resume",), f"{path} records no settings (saved by an "
@@ -242,7 +247,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     the model and optimizer are untouched and the previous checkpoints stay as they were.
     """
     final, tmp = root / name(step), root / (name(step) + ".tmp")
-    fault = os.environ.get(FAULT_ENV, "")
+    fault = faults()
     problem = None
     if _rank() == 0:
         try:
@@ -263,11 +268,11 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         # in its collectives
         problem = _agree(problem)
     if problem is None:
-        if fault == f"kill-in-save:{step}":
+        if f"kill-in-save:{step}" in fault:
             os.kill(os.getpid(), signal.SIGKILL)
         if _rank() == 0:
             try:
-                if fault == f"enospc-in-save:{step}":
+                if f"enospc-in-save:{step}" in fault:
                     raise OSError(28, "No space left on device (SHARDGRAPH_FAULT)")
                 _write_atomic(tmp / META, json.dumps({**meta, "step": step}, indent=1))
                 _replace_dir(tmp, final)

@@ -69,10 +69,9 @@ def _train(args: argparse.Namespace) -> int:
         return _worker(args)
     # The launcher: a signal stops every worker and ends in one line and 128 + its number.
     import signal
+    import threading
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    import threading
 
     handled = (signal.SIGTERM, signal.SIGHUP)
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's rule
@@ -93,23 +92,19 @@ def _train(args: argparse.Namespace) -> int:
 def _launcher(args: argparse.Namespace) -> int:
     import torch
 
-    from .config import sectioned
     from .preflight import check
 
-    try:
-        if args.steps is not None and args.steps < 1:
-            raise PlanError([Violation("value", ("--steps",), f"--steps must be >= 1, got "
-                                       f"{args.steps}", hint="e.g. --steps 20")])
-        pipeline = _pipeline(args)
-        nproc = _nproc(args, pipeline)
-        # every plan, model, data and checkpoint problem at once, before anything is launched
-        check(pipeline, nproc, "--nproc")
-        if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-            raise PlanError([Violation(
-                "world-size", ("--nproc",), f"--nproc {nproc} but this node has "
-                f"{torch.cuda.device_count()} GPUs", hint="launch multi-node runs with torchrun")])
-    except PlanError as exc:
-        raise sectioned(exc) from None
+    if args.steps is not None and args.steps < 1:
+        raise PlanError([Violation("value", ("--steps",), f"--steps must be >= 1, got "
+                                   f"{args.steps}", hint="e.g. --steps 20")])
+    pipeline = _pipeline(args)
+    nproc = _nproc(args, pipeline)
+    # every plan, model, data and checkpoint problem at once, before anything is launched
+    check(pipeline, nproc, "--nproc")
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise PlanError([Violation(
+            "world-size", ("--nproc",), f"--nproc {nproc} but this node has "
+            f"{torch.cuda.device_count()} GPUs", hint="launch multi-node runs with torchrun")])
     if nproc == 1:
         return _run_in_place(args, pipeline)
     return _launch(args, nproc)
@@ -168,7 +163,6 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
     import torch
     import torch.distributed as dist
 
-    from .config import sectioned
     from .loop import train
 
     launched = _under_torchrun()
@@ -188,9 +182,8 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
                 dist.init_process_group("nccl")
             else:
                 dist.init_process_group("gloo")
-        train(pipeline, steps=args.steps, metrics=args.metrics)
+        train(pipeline, steps=args.steps, metrics=args.metrics, on_step=_fault_hook())
     except PlanError as exc:
-        exc = sectioned(exc)
         _record("plan", str(exc))
         if reports and rank == 0:  # the same input error on every rank: say it once
             print(f"shardgraph train: {exc}", file=sys.stderr, flush=True)
@@ -210,6 +203,23 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
             time.sleep(0.5)
         os._exit(code)  # a failed rank must not wait in a collective: torchrun stops the rest
     return code
+
+
+def _fault_hook():
+    """The ``raise-in-step:STEP:RANK`` test hook of ``checkpoint.FAULT_ENV``: one rank fails
+    between steps while the others go on into the next step's collectives."""
+    from .checkpoint import faults
+
+    rank = int(os.environ.get("RANK", 0))
+    steps = {int(f.split(":")[1]) for f in faults()
+             if f.startswith("raise-in-step:") and int(f.split(":")[2]) == rank}
+    if not steps:
+        return None
+
+    def hook(row) -> None:
+        if row["step"] in steps:
+            raise RuntimeError(f"injected failure after step {row['step']} on rank {rank}")
+    return hook
 
 
 #: a worker's error that only follows from another rank's end (a peer gone mid-collective)

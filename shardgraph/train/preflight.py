@@ -4,7 +4,8 @@ A problem found in a worker costs a launch (tens of seconds, minutes on a cluste
 this module, often its message: the first failing rank exits and the launcher stops the rest.
 So the launcher checks here, in one process and without a process group, everything that does
 not need one, and reports every problem at once: the plan and batch split at this world size,
-the model (architecture, config keys, a build on the ``meta`` device, which allocates nothing),
+the model (architecture, config keys, a build on the ``meta`` device that keeps no storage, the
+plan's model checks, the weights of ``[model] path`` by name and shape),
 the data (the data module's own checks), the checkpoint directory (writable, with room for a
 checkpoint of this model) and the checkpoint to resume from (complete, intact, saved under the
 same settings). Workers run the same checks that need no process group again, so the Python
@@ -19,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 from ..core.errors import PlanError, Violation
-from .config import Pipeline, pipeline_error
+from .config import Pipeline
+
 
 def check(pipeline: Pipeline, nproc: int, nproc_key: str = "--nproc") -> Path | None:
     """Every problem of ``pipeline`` at ``nproc`` processes as one ``PlanError``; else the
@@ -47,17 +49,19 @@ def check(pipeline: Pipeline, nproc: int, nproc_key: str = "--nproc") -> Path | 
             bad += exc.violations
     bad += _export_dir(pipeline)
     if bad:
-        raise pipeline_error(bad)
+        raise PlanError(bad)
     return resume
 
 
 def _model(pipeline: Pipeline, bad: list[Violation]):
-    """The model built on ``meta``, or None with the problem."""
-    from .model import build_model
+    """The model built on ``meta``, or None with the problem; and the weights of ``[model]
+    path`` checked against it (names, shapes, each with its file; none is read)."""
+    from .model import check_weights, meta_model
 
     spec = pipeline.model
     try:
-        model = build_model(spec, pipeline.train.seed, "meta")
+        model = meta_model(spec)
+        bad += check_weights(spec)
     except PlanError as exc:
         bad += exc.violations
         return None
@@ -66,7 +70,7 @@ def _model(pipeline: Pipeline, bad: list[Violation]):
         bad.append(Violation(
             "model", (key,), f"{spec.architecture if not spec.path else spec.path} cannot be "
             f"built from this config: {type(exc).__name__}: {exc}",
-            hint=f"fix {key} (e.g. hidden_size must be a multiple of num_attention_heads)"))
+            hint=f"fix {key}"))
         return None
     return model
 

@@ -1,0 +1,346 @@
+"""``shardgraph train`` failing well: every input problem refused before launch, a worker's end
+reported naming its rank, signals, damaged / incomplete / foreign checkpoints and failed saves.
+
+The launch tests run the real launcher (``python -m shardgraph.train train --nproc 2``) in a
+subprocess with hard timeouts and send real signals to it or to one of its workers (found by
+its ``RANK`` in ``/proc``). The checkpoint tests train a tiny Llama in this process (world 1):
+what they check (settings, shard files, saving) does not depend on the world size, and the
+crash-during-save test of test_train_e2e covers the multi-process save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardgraph.cli import main
+from shardgraph.core.errors import PlanError
+from shardgraph.train import checkpoint as ckpt
+from shardgraph.train import loads_pipeline, train
+from shardgraph.train.preflight import checkpoint_dir
+
+PIPELINE = """
+[model.config]
+vocab_size = 128
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 1
+num_attention_heads = 4
+num_key_value_heads = 2
+{config}
+[data]
+seq_len = {seq_len}
+[train]
+steps = {steps}
+global_batch_size = 4
+optimizer = "sgd"
+lr = 0.01
+{train}
+[checkpoint]
+dir = "{dir}"
+every = 2
+{checkpoint}
+{plugins}
+"""
+
+
+def pipeline_text(dir: Path, steps: int = 4, *, config: str = "", train: str = "",
+                  checkpoint: str = "", plugins: str = "[plugins.fsdp2]", seq_len: int = 8) -> str:
+    return PIPELINE.format(dir=dir, steps=steps, config=config, train=train,
+                           checkpoint=checkpoint, plugins=plugins, seq_len=seq_len)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# -- before launch --------------------------------------------------------------------------
+
+def test_unknown_model_config_keys_are_refused_with_did_you_mean(tmp_path, capsys):
+    text = pipeline_text(tmp_path / "ck", config="hiden_size = 48\nrope_theta = 50000.0")
+    assert main(["train", str(write(tmp_path / "p.toml", text)), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "1 problem in [model]" in err  # rope_theta is a key Llama's config takes up
+    assert "model.config.hiden_size" in err and "did you mean 'hidden_size'?" in err
+    # keys a model reads without its config class declaring them are not refused
+    moe = loads_pipeline('[model]\narchitecture = "Qwen3MoeForCausalLM"\n[model.config]\n'
+                         "num_experts = 4\nhead_dim = 16\nmoe_intermediate_size = 32")
+    from shardgraph.train.model import hf_config
+
+    assert hf_config(moe.model).head_dim == 16
+
+
+def test_every_problem_is_reported_before_launch(tmp_path, capsys):
+    """A model check of the plan (tp must divide the heads), an unwritable checkpoint dir, an
+    export dir that the end of the run would refuse, a section rule: one error, no launch."""
+    in_the_way = write(tmp_path / "a_file", "x")
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "old").write_text("x")
+    text = pipeline_text(in_the_way / "ck", checkpoint=f'export_hf = "{export}"',
+                         plugins="[plugins.tp]\nsize = 2",
+                         config="").replace("num_attention_heads = 4", "num_attention_heads = 3"
+                                            ).replace("num_key_value_heads = 2",
+                                                      "num_key_value_heads = 3")
+    text = text.replace("hidden_size = 32", "hidden_size = 48")
+    began = time.monotonic()
+    assert main(["train", str(write(tmp_path / "p.toml", text)), "--nproc", "2"]) == 2
+    took = time.monotonic() - began
+    err = capsys.readouterr().err
+    assert "num_attention_heads = 3 is not divisible by tp = 2" in err
+    assert f"{in_the_way} is a file, not a directory" in err
+    assert "checkpoint.export_hf" in err and "not empty" in err
+    assert took < 60, took  # no process group was started and waited for
+    text = pipeline_text(tmp_path / "ck").replace('[model.config]',
+                                                  '[model]\narchitecture = "NoSuchForCausalLM"'
+                                                  '\n[model.config]')
+    assert main(["train", str(write(tmp_path / "q.toml", text)), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "'NoSuchForCausalLM' is not an HF model class" in err and "in [model]" in err
+    text = pipeline_text(tmp_path / "ck", train="log_every = 0")
+    assert main(["train", str(write(tmp_path / "r.toml", text))]) == 2
+    assert "in [train]:" in capsys.readouterr().err  # not "in the parallelism plan"
+
+
+def test_a_full_or_unwritable_checkpoint_dir_is_refused_before_launch(tmp_path):
+    pipeline = loads_pipeline(pipeline_text(tmp_path / "ck"))
+    assert checkpoint_dir(pipeline, 1000) == []
+    [full] = checkpoint_dir(pipeline, 2**62)  # 4 EiB of parameters: no disk has room
+    assert full.keys == ("checkpoint.dir",) and "free" in full.message
+    assert "point [checkpoint] dir at a writable directory" in full.hint
+    blocked = write(tmp_path / "blocked", "")
+    [bad] = checkpoint_dir(loads_pipeline(pipeline_text(blocked / "ck")), 1000)
+    assert "is a file, not a directory" in bad.message
+    if os.geteuid() != 0:  # root writes through permission bits
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        [bad] = checkpoint_dir(loads_pipeline(pipeline_text(locked / "ck")), 1000)
+        assert "not writable" in bad.message
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """4 steps of the tiny model in this process, checkpoints at steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp("failwell")
+    root = tmp / "ck"
+    rows = train(loads_pipeline(pipeline_text(root, steps=6)))["rows"]
+    reference = [r["loss"] for r in rows]
+    shutil.rmtree(root)
+    train(loads_pipeline(pipeline_text(root, steps=4)))
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000002", "step_00000004"]
+    return tmp, root, reference
+
+
+def test_resume_under_other_settings_is_refused_naming_each_key(saved, tmp_path, capsys):
+    _, root, _ = saved
+    changed = pipeline_text(root, steps=6, config="rope_theta = 50000.0", seq_len=16,
+                            train='optimizer = "adamw"').replace("[data]",
+                                                                 '[model]\ndtype = "bf16"\n[data]')
+    changed = changed.replace('optimizer = "sgd"\n', "")
+    before = sorted(p.name for p in root.iterdir())
+    assert main(["train", str(write(tmp_path / "p.toml", changed)), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "step_00000004 was saved from another model" in err
+    assert "model.dtype = 'fp32' in the checkpoint, 'bf16' now" in err
+    assert "data.seq_len = 8 in the checkpoint, 16 now" in err
+    assert "train.optimizer = 'sgd' in the checkpoint, 'adamw' now" in err
+    assert "model.config.rope_parameters" in err and "50000.0" in err
+    assert "new directory" in err  # how to start fresh
+    assert sorted(p.name for p in root.iterdir()) == before
+
+
+def test_incomplete_dir_is_replaced_and_a_new_lr_announced(saved, capsys):
+    tmp, root, reference = saved
+    work = tmp / "incomplete"
+    shutil.copytree(root, work)
+    (work / "step_00000006").mkdir()  # a save that never wrote .metadata or meta.json
+    (work / "step_00000006" / "__0_0.distcp").write_text("partial")
+    out = train(loads_pipeline(pipeline_text(work, steps=6)))
+    assert [r["step"] for r in out["rows"]] == [5, 6]
+    assert [r["loss"] for r in out["rows"]] == pytest.approx(reference[4:6], abs=1e-6)
+    assert ckpt.latest(work).name == "step_00000006" and ckpt.is_complete(work / "step_00000006")
+    assert ckpt.read_meta(work / "step_00000006")["step"] == 6
+    capsys.readouterr()
+    train(loads_pipeline(pipeline_text(work, steps=8, train="lr = 0.02").replace(
+        "lr = 0.01\n", "")))
+    assert "resumed from" in (out := capsys.readouterr().out) and "train.lr 0.01 -> 0.02" in out
+
+
+def test_damaged_checkpoint_names_itself_and_the_previous_one(saved, tmp_path, capsys):
+    tmp, root, reference = saved
+    work = tmp / "damaged"
+    shutil.copytree(root, work)
+    shard = sorted((work / "step_00000004").glob("*.distcp"))[0]
+    os.truncate(shard, shard.stat().st_size // 2)
+    text = pipeline_text(work, steps=6)
+    assert main(["train", str(write(tmp_path / "p.toml", text)), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {work / 'step_00000004'} is damaged" in err and "truncated" in err
+    assert f'resume = "{work / "step_00000002"}"' in err
+    # followed: resume from step 2; the damaged step 4 is saved again over
+    out = train(loads_pipeline(pipeline_text(work, steps=6, checkpoint=f'resume = '
+                                             f'"{work / "step_00000002"}"')))
+    assert [r["loss"] for r in out["rows"]] == pytest.approx(reference[2:6], abs=1e-6)
+    ckpt.check_intact(work / "step_00000004")
+    # damage of the right length shows only when DCP reads it: the same advice, no traceback
+    shard = sorted((work / "step_00000006").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.write(b"\0" * 64)
+    with pytest.raises(PlanError, match="cannot load checkpoint .*step_00000006") as info:
+        train(loads_pipeline(pipeline_text(work, steps=8)))
+    assert f'resume = "{work / "step_00000004"}"' in info.value.violations[0].hint
+
+
+def test_a_failed_final_save_keeps_the_checkpoints_and_says_where_to_point_dir(
+        saved, monkeypatch):
+    tmp, root, _ = saved
+    work = tmp / "full"
+    shutil.copytree(root, work)
+    monkeypatch.setenv(ckpt.FAULT_ENV, "enospc-in-save:6")
+    with pytest.raises(ckpt.SaveFailed) as info:
+        train(loads_pipeline(pipeline_text(work, steps=6)))
+    v = info.value.violations[0]
+    assert v.keys == ("checkpoint.dir",) and "cannot save step 6" in v.message
+    assert "No space left on device" in v.message and "training state is intact" in v.message
+    assert "point [checkpoint] dir at a writable directory" in v.hint
+    assert sorted(p.name for p in work.iterdir()) == ["LATEST", "step_00000002",
+                                                       "step_00000004"]
+
+
+# -- the real launcher ----------------------------------------------------------------------
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def workers(launcher: int) -> dict[int, int]:
+    """RANK -> pid of the launcher's worker processes."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if _ppid(int(entry.name)) != launcher:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        rank = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+        if rank:
+            found[int(rank[0])] = int(entry.name)
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+class Launch:
+    """``shardgraph train FILE --nproc 2`` in a subprocess; stdout read as it comes."""
+
+    def __init__(self, path: Path, env: dict | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shardgraph.train", "train", str(path), "--nproc", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.stderr = ""
+        self._out = threading.Thread(target=self._read, daemon=True)
+        self._out.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, prefix: str, timeout: float = 150) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(prefix) for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"no {prefix!r} line: {''.join(self.lines)}\n"
+                                     f"{self.proc.stderr.read()}")
+            time.sleep(0.1)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            _, self.stderr = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        self._out.join(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        for pid in workers(self.proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("launch")
+    return write(tmp / "long.toml", pipeline_text(tmp / "ck", steps=100000).replace(
+        "every = 2", "every = 0"))
+
+
+def test_a_worker_killed_mid_step_ends_the_job_naming_its_rank(long_run):
+    run = Launch(long_run)
+    run.wait_for("step    2/")
+    ranks = workers(run.proc.pid)
+    assert sorted(ranks) == [0, 1]
+    os.kill(ranks[1], signal.SIGKILL)
+    killed = time.monotonic()
+    code = run.finish(timeout=90)
+    assert time.monotonic() - killed < 60
+    assert code == 1
+    assert "rank 1 was killed by SIGKILL" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and "rank 0" not in run.stderr
+    assert all(gone(pid) for pid in ranks.values())
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_stops_every_worker_in_one_line(long_run, sig, code):
+    run = Launch(long_run)
+    run.wait_for("step    2/")
+    ranks = workers(run.proc.pid)
+    run.proc.send_signal(sig)
+    assert run.finish(timeout=60) == code
+    mine = [line for line in run.stderr.splitlines() if line.startswith("shardgraph")]
+    assert mine == [f"shardgraph train: stopped by {sig.name}; every worker was stopped"], \
+        run.stderr
+    assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr
+    assert all(gone(pid) for pid in ranks.values())
+
+
+def test_a_worker_error_reaches_the_user_and_a_failed_save_does_not_stop_training(tmp_path):
+    """Rank 0's save of step 2 fails (every rank learns it, training goes on, the step-4 save
+    works), then rank 1 raises after step 5 while rank 0 goes on into step 6's collectives:
+    the report is rank 1's own error, not rank 0's lost connection."""
+    path = write(tmp_path / "p.toml", pipeline_text(tmp_path / "ck", steps=8))
+    run = Launch(path, env={ckpt.FAULT_ENV: "enospc-in-save:2,raise-in-step:5:1"})
+    code = run.finish(timeout=180)
+    out = "".join(run.lines)
+    assert code == 1, run.stderr
+    assert "warning: " in out and "cannot save step 2" in out and "step    4/8" in out
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "ck")] == ["step_00000004"]
+    assert not (tmp_path / "ck" / "step_00000002.tmp").exists()
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardgraph train: rank 1 failed: RuntimeError: injected failure "
+                           "after step 5 on rank 1"), run.stderr
+    assert json.loads((tmp_path / "ck" / "step_00000004" / "meta.json").read_text())["step"] == 4
