@@ -141,6 +141,8 @@ def settings(pipeline) -> dict[str, Any]:
         values["train.seed"] = t.seed
     if data.path and Path(data.path).suffix == ".bin":
         values["data.token_dtype"] = data.token_dtype
+    if data.tokenizer:  # text data: the tokenizer decides the token stream
+        values["data.tokenizer"] = str(Path(data.tokenizer).resolve())
     if t.optimizer == "sgd":  # momentum 0 keeps no buffer: the optimizer state differs
         values["train.momentum"] = t.momentum
     values.update({key: getattr(t, key.split(".")[1]) for key in ADJUSTABLE})

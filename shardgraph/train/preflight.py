@@ -96,14 +96,14 @@ def _model_checks(plan, model, nproc: int, bad: list[Violation]) -> None:
 
 
 def _data(pipeline: Pipeline, bad: list[Violation]) -> None:
-    """The data module's own checks (file readable, token ids within the vocabulary, ...)."""
-    from .data import TokenStream
+    """The data module's own checks (file readable, token ids within the vocabulary, seq_len
+    within the model's positions, ...)."""
+    from .data import check as check_data
     from .model import hf_config
 
-    try:
-        TokenStream(pipeline.data, hf_config(pipeline.model).vocab_size, pipeline.train.seed)
-    except PlanError as exc:
-        bad += exc.violations
+    config = hf_config(pipeline.model)
+    bad += check_data(pipeline, config.vocab_size,
+                      getattr(config, "max_position_embeddings", None))
 
 
 def checkpoint_bytes(pipeline: Pipeline, model_bytes: int) -> int:
