@@ -119,7 +119,7 @@ def _scenario(name: str, world_size: int) -> dict:
     dp = ctx.mesh("dp")
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
     sent_dtypes = []
-    for part in model.model_parts:
+    for part in parallel.parts:
         part.register_forward_hook(lambda mod, args, out: sent_dtypes.append(str(out.dtype)))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(steps):
@@ -134,7 +134,7 @@ def _scenario(name: str, world_size: int) -> dict:
     owned = {n for n, _ in model.named_parameters()}
     return {
         "loss": total.item() / dp.size(), "ref_loss": ref_loss, "param_diff": diff,
-        "names": sorted(owned), "stage_ids": list(model.stage_ids),
+        "names": sorted(owned), "stage_ids": list(parallel.runner.stage_ids),
         "local_bytes": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                            * p.element_size() for p in model.parameters()),
         "full_bytes": full_bytes, "layers": [n for n, _ in model.named_children()],
@@ -142,7 +142,7 @@ def _scenario(name: str, world_size: int) -> dict:
         "checkpointed": sorted(n for n, m in model.named_modules()
                                if "checkpoint" in (_get_registry(m) or {})),
         "called": called, "too_small": too_small,
-        "fsdp_roots": [type(p).__name__.startswith("FSDP") for p in model.model_parts],
+        "fsdp_roots": [type(p).__name__.startswith("FSDP") for p in parallel.parts],
         # fully_shard keeps no post-forward mesh when it does not reshard after forward
         "resharded": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
                              is not None for m in model.modules() if hasattr(m, "unshard")
@@ -205,7 +205,7 @@ def test_unused_modules_are_removed_and_fqns_kept(world2):
     # each parameter lives on exactly one stage: memory is split, not duplicated
     assert first["local_bytes"] + last["local_bytes"] == first["full_bytes"]
     assert not set(first["names"]) & set(last["names"])
-    assert "use plan.train_step" in first["called"]
+    assert "use parallel.step" in first["called"]
     # checked again at every step, against the batch it gets, before the schedule runs
     assert all("1 microbatches cannot fill 2 pipeline stages" in r["1f1b"]["too_small"]
                for r in world2)
@@ -372,8 +372,8 @@ def _fail_worker(rank: int, world_size: int, port: int, out: str) -> None:
         def boom(module, args):
             raise ValueError("activation is NaN")
 
-        if model.has_last:
-            model.model_parts[-1].register_forward_pre_hook(boom)
+        if parallel.runner.has_last:
+            parallel.parts[-1].register_forward_pre_hook(boom)
         plan.train_step(parallel, batch(global_batch=2), lm_loss)
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
         text = f"{type(exc).__name__}: {exc}"

@@ -107,7 +107,7 @@ def test_shapes_equal_the_transformers_model(arch):
 
 
 def test_copied_defaults_and_layer_split_match_the_training_code():
-    from shardgraph.parallelisms._pp_split import split_layers as real_split
+    from shardgraph.parallelisms.pp._split import split_layers as real_split
     from shardgraph.train.model import TINY as REAL_TINY
 
     assert TINY == REAL_TINY

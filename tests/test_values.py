@@ -166,3 +166,10 @@ def test_no_hidden_edges_and_no_plugin_names_in_the_runtime():
             assert not found, f"{path.name} names the plugin {name!r}"
         assert ".step(\"" not in text, f"{path.name} looks a plugin's step up by name"
         assert "model_parts" not in text and "_fsdp_param_group" not in text, path.name
+
+
+def test_pp_is_a_package_without_per_model_classes_or_module_copies():
+    package = ROOT / "parallelisms" / "pp"
+    text = "".join(p.read_text() for p in package.glob("*.py"))
+    assert (package / "__init__.py").is_file()
+    assert "__new__" not in text and "type(f" not in text and "ModuleDict" not in text

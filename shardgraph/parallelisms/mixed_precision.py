@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..core.context import MeshContext
 from ..core.errors import Violation, choices_hint, did_you_mean
-from ..core.values import DTYPE_NAMES, PrecisionPolicy, dtype
+from ..core.values import DTYPE_NAMES, PrecisionPolicy, StepRunner, dtype
 from ..plugins import Kind, Plugin
 
 DTYPES = DTYPE_NAMES
@@ -47,17 +47,22 @@ def _check(options: MixedPrecisionOptions, layout, settings) -> list[Violation]:
 
 
 def _apply(model: nn.Module, options: MixedPrecisionOptions, ctx: MeshContext, inputs: dict[str, Any]):
-    forward = model.forward
     compute, output = dtype(options.param_dtype), dtype(options.output_dtype)
+    # A pipeline's stages are called one by one, not the model: each computes under autocast.
+    pipeline = inputs.get("pipeline_parallel")
+    for module in pipeline.parts() if isinstance(pipeline, StepRunner) else [model]:
+        module.forward = _autocast(module.forward, ctx.device_type, compute, output)
+    return model
 
+
+def _autocast(forward, device_type: str, compute: torch.dtype, output: torch.dtype):
     @functools.wraps(forward)
     def autocast_forward(*args, **kwargs):
-        with torch.autocast(ctx.device_type, dtype=compute):
+        with torch.autocast(device_type, dtype=compute):
             out = forward(*args, **kwargs)
         return _cast_floats(out, output)
 
-    model.forward = autocast_forward
-    return model
+    return autocast_forward
 
 
 def _cast_floats(value, to: torch.dtype):
@@ -77,6 +82,7 @@ PLUGIN = Plugin(
     kind=Kind.POLICY,
     options=MixedPrecisionOptions,
     provides={"precision_policy"},
+    reads={"pipeline_parallel"},  # its stages, to autocast each
     before={"data_parallel"},
     check=_check,
     apply=_apply,

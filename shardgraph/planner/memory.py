@@ -24,7 +24,7 @@ from .view import SCHEDULES, PlanView, Setup
 
 
 def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> list[range]:
-    """Same split as ``shardgraph.parallelisms._pp_split.split_layers`` (a test compares them):
+    """Same split as ``shardgraph.parallelisms.pp._split.split_layers`` (a test compares them):
     even, a remainder to the middle stages first."""
     if layers_per_stage is not None:
         return [range(s * layers_per_stage, min(n_layers, (s + 1) * layers_per_stage))

@@ -21,18 +21,19 @@ and every step checks the same against the batch it gets.
 the step; off (the default, as in torchtitan), the loss of each microbatch is divided instead.
 Either way the gradients are those of the mean microbatch loss.
 
-The split itself is in ``_pp_split`` (stage modules), the runtime in ``_pp_model``
-(``PipelinedModel``: stages, schedule, failure reporting); ``Plan.train_step`` runs a step.
+The split is in ``_split`` (the model pruned in place, ``Stage`` modules), the runtime in
+``_runner`` (``Pipeline``: stages, schedules, failure reporting), exported as the
+``pipeline_parallel`` value that ``ParallelModel.step`` runs and fsdp2 wraps stage by stage.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from ..core.axes import Axis
-from ..core.errors import Violation, choices_hint, did_you_mean
-from ..core.values import Applied, BatchShape, collective
-from ..plugins import Kind, Plugin
+from ...core.axes import Axis
+from ...core.errors import Violation, choices_hint, did_you_mean
+from ...core.values import Applied, BatchShape, collective
+from ...plugins import Kind, Plugin
 
 
 @attrs.frozen
@@ -197,20 +198,20 @@ _ROUNDS = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"}
 
 
 def _model_check(model, options: PPOptions, ctx) -> list[Violation]:
-    from ._pp_split import model_violations
+    from ._split import model_violations
 
     sched = schedule(options.schedule)
     return model_violations(model, options, sched) if sched is not None else []
 
 
 def _apply(model, options: PPOptions, ctx, inputs):
-    from ._pp_apply import apply_pipeline
+    from ._apply import apply_pipeline
 
-    pipelined = apply_pipeline(model, options, schedule(options.schedule), ctx,
-                               microbatch_violations)
-    # The pipeline runs the steps' forward and backward itself (a StepRunner), and the steps
-    # after this one wrap its stages, each a root of its own.
-    return Applied(pipelined, values={"pipeline_parallel": pipelined})
+    pipeline = apply_pipeline(model, options, schedule(options.schedule), ctx,
+                              microbatch_violations)
+    # The model, pruned in place, stays the model; the pipeline runs the steps' forward and
+    # backward itself (a StepRunner), and the steps after this one wrap its stages.
+    return Applied(model, values={"pipeline_parallel": pipeline})
 
 
 def _collectives(model, options: PPOptions, ctx, inputs, batch: BatchShape) -> list[dict]:

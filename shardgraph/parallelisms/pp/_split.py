@@ -15,13 +15,14 @@ does not hold are removed from the model, not skipped; the kept ones keep their 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterator
+import threading
 
 import attrs
 import torch.nn as nn
 
-from ..core.errors import Violation
+from ...core.errors import Violation
 
 
 @attrs.frozen
@@ -249,104 +250,127 @@ def _explicit_violations(model, plan: PipelinePlan, stages) -> list[Violation]:
     return bad
 
 
-class SparseLayers(nn.ModuleDict):
-    """The decoder layers a rank keeps, under their original indices; iterates and slices like
-    the ``nn.ModuleList`` it replaces (HF forwards do ``self.layers[: n]``)."""
+class Elsewhere(nn.Module):
+    """Stands in the layer list for a layer another pipeline rank holds: the list keeps its
+    length, so every held layer keeps its FQN (``model.layers.5`` stays ``model.layers.5``) and
+    checkpoints load across pipeline sizes. It holds nothing and is never called."""
 
-    def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self.values())
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
 
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            return list(self.values())[key]
-        if isinstance(key, int):
-            return list(self.values())[key]
-        return super().__getitem__(key)
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"layer {self.index} runs on another pipeline rank")
+
+    def extra_repr(self) -> str:
+        return str(self.index)
 
 
-class StageModule(nn.Module):
-    """One pipeline stage: one tensor in, one tensor out. Its children are views of the
-    pruned model (same module objects, same FQNs)."""
+class Stage(nn.Module):
+    """One pipeline stage: one tensor in, one tensor out.
 
-    def __init__(self, spec: StageSpec, plan: PipelinePlan, base_view: nn.Module,
-                 heads: list[tuple[str, nn.Module]]):
+    Its children are the modules of the stage (the same objects the pruned model holds), so
+    a data-parallel wrap of the stage manages them. Its forward runs the model's own base
+    forward with the base model's layer list (and, off the first and last stage, its input
+    embedding and final norm) standing for this stage's for the duration of the call.
+    """
+
+    def __init__(self, spec: StageSpec, plan: PipelinePlan, base: nn.Module,
+                 swaps: dict[str, nn.Module | None], heads: list[tuple[str, nn.Module]]):
         super().__init__()
         self.spec = spec
         self._keyword = plan.input_name if spec.first else plan.hidden_name
         self._heads = [name for name, _ in heads]
-        if plan.base:
-            setattr(self, plan.base, base_view)
-            self._base_name = plan.base
-        else:
-            self._base_name = None
-            for name, child in base_view.named_children():
-                self.add_module(name, child)
-            # not registered: its children are already this module's
-            object.__setattr__(self, "_base_call", base_view)
+        object.__setattr__(self, "_base", base)  # not a child: the stage's modules are
+        self._swaps = swaps
+        for name, module in swaps.items():
+            if module is not None:
+                self.add_module(name, module)
+        for name, module in base.named_children():
+            if name not in swaps:  # modules every stage runs (the rotary embedding)
+                self.add_module(name, module)
         for name, module in heads:
-            self.add_module(name, module)
+            self.add_module(name.replace(".", "_"), module)
+        self._head_modules = [module for _, module in heads]
 
     def forward(self, x):
-        # Through the pipelined model's own call, so that what wraps its forward (the autocast
-        # of mixed precision without a strategy) wraps every stage too.
-        owner = self.__dict__.get("_owner")
-        if owner is not None:
-            return owner(x, pipeline_stage=self.spec.index)
-        return self.run(x)
-
-    def run(self, x):
         try:
-            base = getattr(self, self._base_name) if self._base_name else self._base_call
-            out = base(**{self._keyword: x}, use_cache=False)
+            with _standing_in(self._base, self._swaps), _running():
+                out = self._base(**{self._keyword: x}, use_cache=False)
             h = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", out)
-            for name in self._heads:
-                h = getattr(self, name)(h)
+            for head in self._head_modules:
+                h = head(h)
             return h
         except Exception as exc:
-            from ._pp_model import tag_stage
+            from ._runner import tag_stage
 
             tag_stage(exc, self.spec.index)
             raise
 
 
-def _view(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
-    """A shallow copy of ``module`` (same forward, same parameters) with other children."""
-    view = type(module).__new__(type(module))
-    view.__dict__ = dict(module.__dict__)
-    view._modules = dict(children)
-    return view
+_STAGE = threading.local()
+
+
+def in_stage() -> bool:
+    """Whether a stage's forward is running (the pruned model refuses to be called whole)."""
+    return getattr(_STAGE, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _running():
+    _STAGE.depth = getattr(_STAGE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STAGE.depth -= 1
+
+
+class _standing_in:
+    """Children of ``module`` replaced for the duration of a call, restored after it."""
+
+    def __init__(self, module: nn.Module, children: dict[str, nn.Module | None]):
+        self.module, self.children = module, children
+
+    def __enter__(self):
+        self.saved = {n: self.module._modules.get(n) for n in self.children}
+        self.module._modules.update(self.children)
+
+    def __exit__(self, *exc):
+        self.module._modules.update(self.saved)
+        return False
 
 
 def build_stages(model: nn.Module, plan: PipelinePlan, specs: list[StageSpec],
-                 mine: list[int]) -> list[StageModule]:
-    """Prune ``model`` to the stages in ``mine`` and return their stage modules.
+                 mine: list[int]) -> list[Stage]:
+    """Prune ``model`` to the stages in ``mine`` (in place) and return their stage modules.
 
-    Layers of other ranks are dropped from the layer list, and the first-/last-stage modules
-    from a rank that holds no first/last stage, so their memory is freed.
+    Layers of other ranks become ``Elsewhere`` placeholders, and the first-/last-stage modules
+    of a rank that holds no first/last stage are removed, so their memory is freed.
     """
     prefix, base = _base(model)
     layer_list = model.get_submodule(plan.layers)
-    held = sorted({i for s in mine for i in specs[s].layers})
-    kept = SparseLayers({str(i): layer_list[i] for i in held})
     list_name = plan.layers.rsplit(".", 1)[-1]
+    held = {i for s in mine for i in specs[s].layers}
     has_first = any(specs[s].first for s in mine)
     has_last = any(specs[s].last for s in mine)
     stages = []
     for s in mine:
         spec = specs[s]
-        children = dict(base._modules)
-        children[list_name] = SparseLayers({str(i): layer_list[i] for i in spec.layers})
+        swaps: dict[str, nn.Module | None] = {
+            list_name: nn.ModuleList([layer_list[i] for i in spec.layers])}
         for name in plan.first:
-            if not spec.first:
-                children[_local(name, prefix)] = None
+            local = _local(name, prefix)
+            swaps[local] = model.get_submodule(name) if spec.first else None
         for name in plan.last:
-            if not spec.last:
-                # the base forward still calls it: an identity, not None
-                children[_local(name, prefix)] = nn.Identity()
+            local = _local(name, prefix)
+            # the base forward still calls it: an identity off the last stage
+            swaps[local] = model.get_submodule(name) if spec.last else nn.Identity()
         heads = [(n, model.get_submodule(n)) for n in plan.head] if spec.last else []
-        stages.append(StageModule(spec, plan, _view(base, children), heads))
+        stages.append(Stage(spec, plan, base, swaps, heads))
     # Prune the model itself: what remains is exactly this rank's stages.
-    base._modules[list_name] = kept
+    for i in range(len(layer_list)):
+        if i not in held:
+            layer_list[i] = Elsewhere(i)
     for name in plan.first:
         if not has_first:
             _drop(base, _local(name, prefix))

@@ -1,12 +1,5 @@
-"""A pipelined model: this rank's stages, their torch ``PipelineStage``s and the schedule.
-
-``PipelinedModel`` holds the pruned model's top-level children under their original names, so
-its parameter FQNs are the original ones (``model.layers.3.mlp.up_proj.weight``) and plugins
-applied after pp (tp, activation checkpointing, fsdp2) find the transformer blocks as before.
-Its stages are ``model_parts``: modules the schedule calls one by one; a data-parallel wrap
-treats each of them as a root. It is not called like a module: ``step`` (``Plan.train_step``)
-runs forward and backward over all microbatches.
-"""
+"""The pipeline's runtime: this rank's stages, their torch ``PipelineStage``s, the schedules,
+and a failing stage reported on every rank of the pipeline."""
 
 from __future__ import annotations
 
@@ -21,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from ..core.errors import PlanError
+from ...core.errors import PlanError
 
 
 class PipelineStageError(RuntimeError):
@@ -42,71 +35,31 @@ def tag_stage(exc: BaseException, stage: int) -> None:
             pass
 
 
-#: Class attributes of an HF model that plugins applied after pp read (tp plans, FSDP blocks).
-_CLASS_ATTRS = ("_tp_plan", "_pp_plan", "_ep_plan", "_no_split_modules", "base_model_prefix")
+class Pipeline:
+    """This rank's stages, their torch ``PipelineStage``s and the schedules: a ``StepRunner``.
 
+    Not a module: the model (pruned to this rank's stages, its FQNs unchanged) is the
+    ``ParallelModel``'s ``module``; the stages are its ``parts``, each a root of its own for a
+    data-parallel wrap. ``run`` (``ParallelModel.step``) and ``step`` (``Plan.train_step``)
+    run forward and backward over all microbatches of a batch.
+    """
 
-def pipelined(model: nn.Module, *args: Any, **kwargs: Any) -> PipelinedModel:
-    """A ``PipelinedModel`` whose class carries ``model``'s class-level plans, so that
-    ``type(m)._tp_plan`` and friends read the same as on the original model."""
-    source = type(model)
-    attrs = {a: getattr(source, a) for a in _CLASS_ATTRS if hasattr(source, a)}
-    cls = type(f"Pipelined{source.__name__}", (PipelinedModel,), attrs)
-    return cls(model, *args, **kwargs)
-
-
-class PipelinedModel(nn.Module):
-    def __init__(self, model: nn.Module, stages: list[nn.Module], stage_ids: list[int],
-                 n_stages: int, options: Any, schedule: Any, ctx: Any,
-                 microbatch_rules: Callable[[int], list], embeddings: tuple[str, str | None]):
-        super().__init__()
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        if hasattr(model, "config"):
-            object.__setattr__(self, "config", model.config)
-        self._embeddings = embeddings  # FQNs of the input embedding and the LM head
-        # Not registered as children: their modules are this module's children already.
-        object.__setattr__(self, "model_parts", stages)
-        for part in stages:
-            object.__setattr__(part, "_owner", self)
+    def __init__(self, stages: list[nn.Module], stage_ids: list[int], n_stages: int,
+                 options: Any, schedule: Any, ctx: Any,
+                 microbatch_rules: Callable[[int], list]):
+        self.stages = stages
         self.stage_ids = stage_ids
         self.n_stages = n_stages
         self.options = options
         self.schedule_spec = schedule
         self._ctx = ctx
         self._rules = microbatch_rules
-        self._schedules: dict[int, Any] = {}
+        self._schedules: dict[tuple[int, bool], Any] = {}
         self._loss_fn: Callable | None = None
         self._steps = 0
 
-    def forward(self, x=None, *, pipeline_stage: int | None = None):
-        """Stage ``pipeline_stage`` of this rank on ``x`` (what the stage modules call)."""
-        if pipeline_stage is None or pipeline_stage not in self.stage_ids:
-            raise TypeError(
-                "a pipelined model runs its stages on several ranks and is not called like a "
-                "module: use plan.train_step(model, batch, loss_fn)"
-            )
-        return self.model_parts[self.stage_ids.index(pipeline_stage)].run(x)
-
-    # -- what an HF model answers, for this rank's part (None where another rank holds it) --
-    @property
-    def base_model(self) -> nn.Module:
-        prefix = getattr(self, "base_model_prefix", "")
-        return getattr(self, prefix, self) if prefix else self
-
-    def _held(self, fqn: str | None) -> nn.Module | None:
-        if not fqn:
-            return None
-        try:
-            return self.get_submodule(fqn)
-        except AttributeError:
-            return None
-
-    def get_input_embeddings(self) -> nn.Module | None:
-        return self._held(self._embeddings[0])
-
-    def get_output_embeddings(self) -> nn.Module | None:
-        return self._held(self._embeddings[1])
+    def __repr__(self) -> str:
+        return f"Pipeline(stages {self.stage_ids} of {self.n_stages}, {self.options.schedule})"
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -122,7 +75,7 @@ class PipelinedModel(nn.Module):
 
     def parts(self) -> list[nn.Module]:
         """This rank's stage modules: what a step runs, each a root of its own."""
-        return list(self.model_parts)
+        return list(self.stages)
 
     def _schedule(self, n_microbatches: int, scale_grads: bool | None = None):
         scale = self.options.scale_grads_in_schedule if scale_grads is None else scale_grads
@@ -132,7 +85,7 @@ class PipelinedModel(nn.Module):
         stages = [
             PipelineStage(part, stage_index=s, num_stages=self.n_stages,
                           device=self._ctx.device, group=group)
-            for part, s in zip(self.model_parts, self.stage_ids)
+            for part, s in zip(self.stages, self.stage_ids)
         ]
         cls = getattr(torch_schedules, self.schedule_spec.torch_class)
         common = dict(n_microbatches=n_microbatches, loss_fn=self._call_loss, scale_grads=scale)
@@ -199,7 +152,7 @@ class PipelinedModel(nn.Module):
         return loss
 
     def _last_stage_rank(self) -> int:
-        from ._pp_split import placement
+        from ._split import placement
 
         return placement(self.n_stages, self._ctx.pp_size, self.schedule_spec.v_shape)[-1]
 
@@ -217,7 +170,7 @@ class _FailureWatch:
     POLL_S = 0.2
     ACK_WAIT_S = 10.0
 
-    def __init__(self, model: PipelinedModel, step: int):
+    def __init__(self, model: Pipeline, step: int):
         self.model = model
         self.group = model.pp_group
         self.rank = dist.get_rank(self.group)

@@ -1,4 +1,4 @@
-"""pp's apply: split the model, keep this rank's stages, hand back a ``PipelinedModel``."""
+"""pp's apply: prune the model to this rank's stages and build their ``Pipeline``."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ from typing import Any
 
 import torch.nn as nn
 
-from ._pp_model import PipelinedModel, pipelined
-from ._pp_split import build_stages, n_stages_of, placement, read_plan, stage_specs, user_plan
+from ._runner import Pipeline
+from ._split import build_stages, in_stage, n_stages_of, placement, read_plan, stage_specs, user_plan
 
 
 def apply_pipeline(model: nn.Module, options: Any, sched: Any, ctx: Any,
-                   microbatch_violations) -> PipelinedModel:
+                   microbatch_violations) -> Pipeline:
     plan = read_plan(model)
     if plan is None:  # model_check has made sure a user split exists
         plan = user_plan(model, options.stages)
@@ -26,5 +26,12 @@ def apply_pipeline(model: nn.Module, options: Any, sched: Any, ctx: Any,
         return microbatch_violations(options, sched, n_stages, batch,
                                      ("plugins.pp.microbatch_size", "batch"))
 
-    embeddings = (plan.first[0] if plan.first else None, plan.head[-1] if plan.head else None)
-    return pipelined(model, parts, mine, n_stages, options, sched, ctx, rules, embeddings)
+    model.register_forward_pre_hook(_not_called_whole)
+    return Pipeline(parts, mine, n_stages, options, sched, ctx, rules)
+
+
+def _not_called_whole(module: nn.Module, args) -> None:
+    if not in_stage():
+        raise TypeError("a pipelined model runs its stages on several ranks and is not called "
+                        "like a module: use parallel.step(batch, optimizer) or "
+                        "plan.train_step(parallel, batch, loss_fn)")
