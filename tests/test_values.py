@@ -142,6 +142,8 @@ def test_no_plugin_module_imports_another_plugin_module():
     plugin_files = {m.rsplit(".", 1)[-1]: m for m in modules if m}
     for short, module in plugin_files.items():
         path = ROOT.parent / (module.replace(".", "/") + ".py")
+        if not path.is_file():  # a package
+            path = ROOT.parent / module.replace(".", "/") / "__init__.py"
         others = {s for s in plugin_files if s != short}
         for imported in _imports(path):
             name = imported.lstrip(".").split(".")
