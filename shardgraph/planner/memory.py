@@ -7,8 +7,8 @@ sharded data parallelism then splits dim 0 of what is left over ``dp_shard x cp`
 the first ranks get ``ceil(n / size)`` rows, so rank 0 is the worst); a routed expert's stack
 is split over ``ep`` on dim 0 and then over ``ep_shard`` on dim 0, or on dim 1 when fewer local
 experts than ``ep_shard`` ranks remain; ddp keeps whole copies. Pipeline stage ``s`` holds its
-layers (split as ``parallelisms.pp._split.split_layers`` does), the first stage the embedding, the last the
-final norm and the LM head.
+layers (split as ``parallelisms.pp._split.split_layers`` does), the first stage the embedding,
+the last the final norm and the LM head.
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ def _view(base: PlanView, c: Candidate, world: int, gpn: int, rafp: bool | None)
         microbatch_size=c.micro_batch if c.pp > 1 else None, layers_per_stage=None)
 
 
-def _pp_options(shape: ModelShape, setup: Setup, world: int, tp: int, cp: int) -> list[tuple[int, str | None, list[int]]]:
+def _pp_options(shape: ModelShape, setup: Setup, world: int, tp: int,
+                cp: int) -> list[tuple[int, str | None, list[int]]]:
     """(pp, schedule, pipeline micro-batch sizes torch accepts) for every pp degree."""
     from ..parallelisms.pp import PPOptions, microbatch_violations, schedule
 
