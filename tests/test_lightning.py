@@ -419,6 +419,12 @@ def test_bad_keywords_are_plan_errors_in_the_keywords_names(keywords, rule, keys
     assert set(keys) <= set(info.value.keys)
 
 
+def test_pipeline_parallelism_is_refused_under_a_trainer():
+    with pytest.raises(PlanError, match="pp = 2 under a Trainer") as info:
+        ShardgraphStrategy(pp_size=2)._compile(world_size=4)
+    assert info.value.rule == "lightning-pipeline" and info.value.keys == ("pp_size",)
+
+
 def test_a_misspelt_distributed_key_is_refused_at_construction():
     with pytest.raises(PlanError, match="did you mean 'sequence_parallel'") as info:
         ShardgraphStrategy(tp_size=2, distributed_config={"sequence_paralel": True})

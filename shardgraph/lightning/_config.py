@@ -21,9 +21,9 @@ import attrs
 
 from ..core.axes import Axis
 from ..core.errors import PlanError, Violation
+from ..core.values import DTYPE_NAMES, dtype
 from ..graphs.graph import Entry, Graph
 from ..graphs.toml import graph_from_dict, load_toml
-from ..parallelisms.mixed_precision import DTYPES
 from ..plugins import Kind, default_registry
 
 #: keyword -> its key in the [distributed] form
@@ -172,7 +172,7 @@ def with_precision(graph: Graph, precision: str | None) -> Graph:
         return attrs.evolve(graph, entries=[*graph.entries, Entry(
             "mixed_precision", wanted, path=f"Trainer(precision={precision!r})")])
     given = mine.options.get("param_dtype", "bf16")
-    if DTYPES.get(given) is not DTYPES[wanted["param_dtype"]]:
+    if given not in DTYPE_NAMES or dtype(given) is not dtype(wanted["param_dtype"]):
         raise PlanError([Violation(
             "precision", (f"Trainer(precision={precision!r})", mine.origin("param_dtype")),
             f"Lightning computes in {wanted['param_dtype']} but the plan's mixed_precision "

@@ -37,8 +37,9 @@ class DistributedSetup:
         self.ctx = ctx
         self.perception_plan = perception_plan
         self._perception_ctx: MeshContext | None = None
-        #: (plan, applied module) pairs, for gradient_sync
-        self._applied: list[tuple[Plan, Any]] = []
+        #: the runtime of every part applied so far (``Plan.apply``'s ParallelModel): its
+        #: ``step``, ``grad_norm``, ``loss_context`` for a loop of your own
+        self.parallel_models: list[Any] = []
 
     def __repr__(self) -> str:
         return f"DistributedSetup(steps={[s.plugin for s in self.plan.steps]}, sizes={self.sizes})"
@@ -67,14 +68,13 @@ class DistributedSetup:
         return self.ctx.mesh(Axis.DP).get_local_rank()
 
     def apply(self, module: nn.Module, *, perception: nn.Module | None = None, **kwargs: Any):
-        """Parallelise ``module`` with the plan and return it. With ``perception``, ``module``
+        """Parallelise ``module`` with the plan and return it (the module, as a LightningModule
+        holds it; the runtime is kept in ``parallel_models``). With ``perception``, ``module``
         is the LLM and the encoder gets data-parallel sharding (and its own activation
         checkpointing): returns ``(llm, perception)``. ``kwargs`` go to the LLM's
         ``Plan.apply`` (``init=`` for a model built on ``meta``)."""
         if perception is None:
-            out = self.plan.apply(module, self.ctx, **kwargs)
-            self._applied.append((self.plan, out))
-            return out
+            return self._keep(self.plan.apply(module, self.ctx, **kwargs))
         pctx = self._composite_ctx()
         # Every model check of both parts first, so a failure leaves both unchanged.
         for plan, part, ctx in ((self.plan, module, self.ctx),
@@ -82,10 +82,12 @@ class DistributedSetup:
             check = getattr(plan, "check_model", None)
             if check is not None:
                 check(part, ctx)
-        llm = self.plan.apply(module, self.ctx, **kwargs)
-        encoder = self.perception_plan.apply(perception, pctx)
-        self._applied += [(self.plan, llm), (self.perception_plan, encoder)]
-        return llm, encoder
+        llm = self._keep(self.plan.apply(module, self.ctx, **kwargs))
+        return llm, self._keep(self.perception_plan.apply(perception, pctx))
+
+    def _keep(self, applied: Any) -> nn.Module:
+        self.parallel_models.append(applied)
+        return getattr(applied, "module", applied)
 
     def _composite_ctx(self) -> MeshContext:
         layout = self.plan.layout
@@ -109,14 +111,16 @@ class DistributedSetup:
                 self._perception_ctx = self.perception_plan.build_mesh(self.ctx.device_type)
         return self._perception_ctx
 
-    def prepare_batch(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of a batch of model keyword arguments (cp keeps its part)."""
-        return self.plan.prepare_batch(model, batch)
+    def prepare_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of a batch of the LLM's keyword arguments (cp keeps its part)."""
+        if not self.parallel_models:
+            raise RuntimeError("apply() a model first: the batch is shaped for its plan")
+        return self.parallel_models[0].prepare_batch(batch)
 
     def gradient_sync(self, enabled: bool) -> None:
         """Reduce gradients on the next backward (True) or accumulate locally (False)."""
-        for plan, module in self._applied:
-            plan.gradient_sync(module, enabled)
+        for applied in self.parallel_models:
+            applied.gradient_sync(enabled)
 
 
 def setup_distributed(

@@ -74,7 +74,7 @@ class ShardgraphStrategy(ModelParallelStrategy):
         # Compile first: a bad plan fails the same way on every rank, before any process group.
         world = self.num_nodes * self.num_processes
         precision = getattr(self.precision_plugin, "precision", None)
-        plan, perception_plan = self._options.compile(world, precision)
+        plan, perception_plan = self._compile(world, precision)
         if precision == "bf16-mixed":
             # The plan's precision policy now does what Lightning's autocast would.
             self.precision_plugin = Precision()
@@ -87,6 +87,18 @@ class ShardgraphStrategy(ModelParallelStrategy):
             module._device_mesh = ctx.device_mesh  # LightningModule.device_mesh reads it
             module.moe_mesh = ctx.moe_mesh
             module.distributed_setup = self.distributed_setup
+
+    def _compile(self, world_size: int, precision: str | None = None):
+        plan, perception_plan = self._options.compile(world_size, precision)
+        if plan.layout.pp > 1:
+            raise PlanError([Violation(
+                "lightning-pipeline", ("pp_size",),
+                f"pp = {plan.layout.pp} under a Trainer: Lightning's training_step calls the "
+                "model's forward, while a pipeline schedule runs forward and backward together",
+                hint="use pp_size = 1 with Lightning; for pipeline parallelism use "
+                     "`shardgraph train`, or setup_distributed() and the step() of "
+                     "distributed_setup.parallel_models[0]")])
+        return plan, perception_plan
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
