@@ -13,6 +13,8 @@ Tolerance: per-step losses averaged over the data-parallel ranks equal the refer
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -503,3 +505,21 @@ def test_setup_distributed_without_a_trainer_on_one_process(monkeypatch):
     logits = model(input_ids=tokens).logits  # one device: the precision policy is autocast
     assert logits.dtype == torch.float32
     assert [s.plugin for s in setup.plan.steps] == ["activation_checkpointing", "mixed_precision"]
+
+
+@pytest.mark.multiprocess
+def test_the_example_trains_under_lightnings_own_launcher(tmp_path):
+    # Lightning starts the second process itself here (no LOCAL_RANK given): the path a user's
+    # `python train.py` takes. Composite model, tp 2, both parts checkpointed, bf16-mixed.
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
+        env.pop(key, None)
+    run = subprocess.run(
+        [sys.executable, str(root / "examples" / "lightning" / "train.py"), "--devices", "2",
+         "--composite", "--ac", "--precision", "bf16-mixed", "--steps", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in run.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses), run.stdout
