@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..core.axes import MOE_AXES
-from ..core.context import MeshContext, build_mesh_context
 from ..core.errors import PlanError, Violation
 from ..core.layout import MeshLayout
 from ..core.options import converter, unstructure
@@ -17,6 +16,8 @@ from ..core.values import Applied
 
 if TYPE_CHECKING:
     import torch.nn as nn
+
+    from ..core.context import MeshContext
 
     from .runtime import ParallelModel
 
@@ -108,6 +109,8 @@ class Plan:
     # -- runtime --------------------------------------------------------------------------
     def build_mesh(self, device_type: str = "cpu") -> MeshContext:
         """The DeviceMesh(es) of this plan on the initialised default process group."""
+        from ..core.context import build_mesh_context  # torch: only when a mesh is built
+
         return build_mesh_context(self.layout, device_type)
 
     def check_model(self, model: nn.Module, ctx: MeshContext) -> None:

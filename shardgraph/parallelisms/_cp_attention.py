@@ -8,6 +8,7 @@ one), so every rank does the same attention work.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -64,3 +65,21 @@ def attention(mesh: DeviceMesh, load_balance: bool):
         return out.transpose(1, 2).contiguous(), None
 
     return cp_attention
+
+
+class SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: each rank's share of the loss
+    gets weight cp, which the strategy's gradient average over ``dp_shard_cp`` divides out."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

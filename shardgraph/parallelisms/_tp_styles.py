@@ -305,3 +305,12 @@ class ScatterSequence(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class Whole(ParallelStyle):
+    """sp: a module computed whole on every rank (its parameter gradients agree): the sequence
+    is gathered before it and scattered after it."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        GatherSequence()._apply(module, device_mesh)
+        return ScatterSequence()._apply(module, device_mesh)

@@ -26,20 +26,22 @@ import functools
 import itertools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.axes import Axis
-from ..core.context import MeshContext
 from ..core.errors import Violation
+from ..core.lazy import lazy_module
 from ..plugins import Kind, Plugin
-from . import _cp_attention
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..core.context import MeshContext
+
+_cp_attention = lazy_module("shardgraph.parallelisms._cp_attention")
 
 __all__ = ["CPOptions", "shard_batch"]
 
@@ -53,6 +55,7 @@ class CPOptions:
     size: int = 1
     #: "allgather" (K/V all-gathered over cp; CPU and GPU), "ring" (torch, CUDA), "te" (THD)
     attention: str = "allgather"
+    #: each rank holds an early and a late chunk of the sequence, so causal work is even
     load_balance: bool = True
 
 
@@ -147,26 +150,8 @@ def _require_sharded(model: nn.Module, args, kwargs):
 def _sum_loss_over_cp(group, model: nn.Module, args, output):
     loss = output.get("loss") if isinstance(output, Mapping) else None
     if loss is not None:
-        output["loss"] = _SumOverGroup.apply(loss, group)
+        output["loss"] = _cp_attention.SumOverGroup.apply(loss, group)
     return output
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) whose backward all-reduces the gradient: each rank's share of the loss
-    gets weight cp, which the strategy's gradient average over ``dp_shard_cp`` divides out."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        out = tensor.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh | None,
@@ -183,6 +168,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh | None,
     """
     if mesh is None:
         return dict(batch)
+    import torch
+    import torch.nn.functional as F
+
     state = _State(mesh, load_balance)
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     tokens = batch.get("input_ids")

@@ -14,22 +14,19 @@ untested with ep (under cp each rank's load-balancing loss covers its own sequen
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
-import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Shard
 
 from ..core.axes import Axis
-from ..core.context import MeshContext
 from ..core.errors import Violation
-from ..plugins import Kind, Plugin
-from ._ep_dispatch import shard_experts
-from ._ep_layers import layout_problem, moe_layers
-from ._ep_router import keep_router_outputs
 from ..core.values import BatchShape, PrecisionPolicy, ShardingSettings, collective
+from ..plugins import Kind, Plugin
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
 
 
 @attrs.frozen
@@ -64,10 +61,14 @@ def _expert_placement(experts: nn.Module, ep_shard: int):
                 default=ep_shard)
     if local >= ep_shard:
         return None
+    from torch.distributed.tensor import Shard
+
     return lambda param: Shard(1) if param.dim() == 3 else Shard(0)
 
 
 def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list[Violation]:
+    from ._ep_layers import layout_problem, moe_layers
+
     layers = moe_layers(model)
     if not layers:
         return [Violation(
@@ -101,6 +102,13 @@ def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list
 
 
 def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    from ._ep_dispatch import shard_experts
+    from ._ep_layers import moe_layers
+    from ._ep_router import keep_router_outputs
+
     # The experts are a unit inside a block: like the block's, their output is not cast.
     policy = (inputs.get("precision_policy") or PrecisionPolicy()).fsdp(cast_output=False)
     ep_mesh, ep_shard_mesh = ctx.mesh(Axis.EP), ctx.mesh(Axis.EP_SHARD)
@@ -129,6 +137,8 @@ def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[
 
 def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
+    from ._ep_layers import moe_layers
+
     top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
     n = 4 * len(moe_layers(model)) * batch.micro_batches
     return collective("all_to_all", "ep", n, n * batch.tokens * top_k * batch.hidden

@@ -19,29 +19,35 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
-
-import torch
-import torch.nn as nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
+from typing import TYPE_CHECKING, Any
 
 from ..core.axes import Axis
 from ..core.blocks import blocks_violation, find_blocks
-from ..core.context import MeshContext
 from ..core.errors import Violation
+from ..core.lazy import lazy_module
 from ..plugins import Kind, NoOptions, Plugin
-from . import _tp_styles as styles
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from ..core.context import MeshContext
+
+styles = lazy_module("shardgraph.parallelisms._tp_styles")
 
 #: attention implementations that derive causality from the query/key lengths, not a mask
 SEQUENCE_SHARDABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
 def is_norm(module: nn.Module) -> bool:
+    import torch.nn as nn
+
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
 
 
 def _decoder(model: nn.Module) -> nn.Module | None:
+    import torch.nn as nn
+
     base = getattr(model, "base_model", None)
     return base if isinstance(base, nn.Module) else None
 
@@ -78,6 +84,9 @@ def _model_check(model: nn.Module, options: NoOptions, ctx: MeshContext) -> list
 
 
 def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
     tp = inputs.get("tensor_parallel")
     if tp is None:
         raise RuntimeError("sp runs after the tp step, which exported no layout")
@@ -93,6 +102,8 @@ def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[
 
 def _styles(model: nn.Module, tp) -> dict[str, ParallelStyle]:
     """What keeps the residual stream sequence-sharded around the modules tp sharded."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     planned = [fqn for fqn, style in tp.matched.items() if style != "replicate"]
     out: dict[str, ParallelStyle] = {}
     for fqn, block in find_blocks(model):
@@ -106,7 +117,7 @@ def _styles(model: nn.Module, tp) -> dict[str, ParallelStyle]:
                 out[path] = styles.GatherSequence()  # its rowwise projection reduce-scatters
             elif any(True for _ in child.parameters()):
                 # Computed whole on every rank, so its parameter gradients agree.
-                out[path] = _Whole()
+                out[path] = styles.Whole()
     names = {m: n for n, m in model.named_modules()}
     decoder = _decoder(model)
     for name, child in decoder.named_children():
@@ -121,12 +132,6 @@ def _styles(model: nn.Module, tp) -> dict[str, ParallelStyle]:
     return out
 
 
-class _Whole(ParallelStyle):
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        styles.GatherSequence()._apply(module, device_mesh)
-        return styles.ScatterSequence()._apply(module, device_mesh)
-
-
 def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
     """Give the decoder the positions of the whole sequence before its embeddings are sharded;
     drop a padding mask that pads nothing (it would be built at the local length)."""
@@ -138,6 +143,8 @@ def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
         raise ValueError(f"with sequence parallelism the sequence length ({seq}) must be "
                          f"divisible by tp = {tp}; pad the batch to a multiple of {tp}")
     if kwargs.get("position_ids") is None:
+        import torch
+
         kwargs["position_ids"] = torch.arange(seq, device=tokens.device).unsqueeze(0)
     mask = kwargs.get("attention_mask")
     if mask is not None:

@@ -18,21 +18,22 @@ along the sequence through the layout this step exports (``inputs["tensor_parall
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch.nn as nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
 from ..core.axes import Axis
-from ..core.context import MeshContext
 from ..core.errors import Violation, choices_hint, did_you_mean
+from ..core.lazy import lazy_module
 from ..core.values import Applied, BatchShape, collective
 from ..plugins import Kind, Plugin
-from . import _tp_styles as styles
 
-STYLES = tuple(styles.STYLES)
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
+
+styles = lazy_module("shardgraph.parallelisms._tp_styles")
 
 
 @attrs.frozen
@@ -54,6 +55,9 @@ class _Resolved:
 
 
 def _check(options: TPOptions, layout, settings) -> list[Violation]:
+    if not options.plan:  # only a user's plan names styles (reading them imports torch)
+        return []
+    STYLES = tuple(styles.STYLES)  # noqa: N806 - the styles module's table
     return [
         Violation(
             "option", ("plan",),
@@ -66,6 +70,7 @@ def _check(options: TPOptions, layout, settings) -> list[Violation]:
 
 
 def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
+    STYLES = tuple(styles.STYLES)  # noqa: N806 - the styles module's table
     if options.plan is not None:
         plan = dict(options.plan)
         origin = {glob: f"plugins.tp.plan[{glob!r}]" for glob in plan}
@@ -192,6 +197,8 @@ def _tied(model: nn.Module, matched: dict[str, str]) -> list[Violation]:
 
 
 def _weight_layout(style: str | None, module: nn.Module) -> str:
+    import torch.nn as nn
+
     """How ``style`` splits ``module``'s weight: its rows, its columns, or not at all."""
     if style in styles.HEAD_STYLES or style == "embedding_rowwise":
         return "rows"
@@ -205,6 +212,8 @@ def _model_check(model: nn.Module, options: TPOptions, ctx: MeshContext) -> list
 
 
 def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    from torch.distributed.tensor.parallel import parallelize_module
+
     resolved = _resolve(model, options, ctx.tp_size)
     modules = dict(model.named_modules())
     tied = _tied_groups(model)
@@ -225,6 +234,9 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                  batch: BatchShape) -> list[dict[str, Any]]:
     """Rowwise linears sum partial outputs in forward, colwise ones input gradients in
     backward; under sequence parallelism as reduce-scatter / all-gather pairs."""
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor
+
     rowwise = 0
     for m in model.modules():
         w = getattr(m, "weight", None)
@@ -260,6 +272,8 @@ def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 def _retie(model: nn.Module, groups) -> None:
     """Sharding replaces each module's parameter by its own DTensor; share the first again."""
+    from torch.distributed.tensor import DTensor
+
     for (first, name), *rest in groups:
         param = getattr(first, name)
         for module, pname in rest:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata as md
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import attrs
 
 from ..core.errors import PlanError, Violation, did_you_mean
 from ._spec import Plugin
+
+if TYPE_CHECKING:
+    import importlib.metadata as md
 
 ENTRY_POINT_GROUP = "shardgraph.plugins"
 BUILTIN = "shardgraph (built-in)"
@@ -141,6 +144,8 @@ class Registry:
 
 
 def _entry_points() -> tuple[md.EntryPoint, ...]:
+    import importlib.metadata as md  # here: only a plugin not yet registered needs it (0.1 s)
+
     return tuple(md.entry_points(group=ENTRY_POINT_GROUP))
 
 

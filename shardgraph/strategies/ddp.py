@@ -3,27 +3,35 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ..core.axes import Axis
-from ..core.context import MeshContext
 from ..core.values import BatchShape, collective
 from ..plugins import Kind, Plugin
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
 
 
 @attrs.frozen
 class DDPOptions:
+    #: size in MiB of the gradient buckets all-reduced together
     bucket_cap_mb: float = 25.0
+    #: gradients are views into the buckets (saves a copy and memory)
     gradient_as_bucket_view: bool = True
+    #: allow parameters that get no gradient in a step (costs a graph traversal per step)
     find_unused_parameters: bool = False
+    #: the set of used parameters never changes between steps (lets DDP optimise)
     static_graph: bool = False
 
 
 def _apply(model: nn.Module, options: DDPOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    from torch.nn.parallel import DistributedDataParallel
+
     device = ctx.device
     return DistributedDataParallel(
         model,
@@ -44,6 +52,8 @@ def _collectives(model: nn.Module, options: DDPOptions, ctx: MeshContext,
 
 
 def _grad_sync(model: nn.Module, options: DDPOptions, enabled: bool) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
     # What DistributedDataParallel.no_sync() toggles, without forcing a `with` block.
     if isinstance(model, DistributedDataParallel):
         model.require_backward_grad_sync = enabled

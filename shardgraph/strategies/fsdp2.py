@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
-import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ..core.axes import Axis
 from ..core.blocks import blocks_violation, find_blocks
-from ..core.context import MeshContext
 from ..core.values import BatchShape, PrecisionPolicy, ShardingSettings, StepRunner, collective
 from ..plugins import Kind, Plugin
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
 
 
 @attrs.frozen
@@ -35,6 +35,9 @@ def _model_check(model: nn.Module, options: FSDP2Options, ctx: MeshContext):
 
 
 def _apply(model: nn.Module, options: FSDP2Options, ctx: MeshContext, inputs: dict[str, Any]):
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
     offload: OffloadPolicy = OffloadPolicy()
     if options.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU-only machine it fails.
@@ -66,6 +69,9 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
                  inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
     """Every unit's all-gathers (forward; backward again where it reshards after forward)
     and its gradient reduce-scatter (once: on the last micro-batch)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     unit_ids = {id(u) for u in units}
     inside = {id(m) for u in units for m in u.modules() if m is not u and id(m) in unit_ids}
@@ -100,6 +106,8 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
 
 
 def _grad_sync(model: nn.Module, options: FSDP2Options, enabled: bool) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
     if options.defer_fsdp_grad_sync and isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
 
