@@ -7,25 +7,32 @@ When no active step consumes it (one device, tp without fsdp, ddp), it applies i
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
-import torch.nn as nn
 
-from ..core.context import MeshContext
 from ..core.errors import Violation, choices_hint, did_you_mean
 from ..core.values import DTYPE_NAMES, PrecisionPolicy, StepRunner, dtype
 from ..plugins import Kind, Plugin
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
 
 DTYPES = DTYPE_NAMES
 
 
 @attrs.frozen
 class MixedPrecisionOptions:
+    #: dtype parameters are computed in (bf16, fp16, fp32, ...)
     param_dtype: str = "bf16"
+    #: dtype gradients are reduced in
     reduce_dtype: str = "bf16"
+    #: dtype of the model's outputs
     output_dtype: str = "bf16"
+    #: cast the forward inputs to param_dtype
     cast_forward_inputs: bool = True
 
 
@@ -56,6 +63,8 @@ def _apply(model: nn.Module, options: MixedPrecisionOptions, ctx: MeshContext, i
 
 
 def _autocast(forward, device_type: str, compute: torch.dtype, output: torch.dtype):
+    import torch
+
     @functools.wraps(forward)
     def autocast_forward(*args, **kwargs):
         with torch.autocast(device_type, dtype=compute):
@@ -66,6 +75,8 @@ def _autocast(forward, device_type: str, compute: torch.dtype, output: torch.dty
 
 
 def _cast_floats(value, to: torch.dtype):
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value.to(to) if value.is_floating_point() else value
     if isinstance(value, dict):  # HF ModelOutput is a dict subclass

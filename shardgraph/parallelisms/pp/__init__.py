@@ -87,7 +87,9 @@ def canonical(name: str) -> str:
 @attrs.frozen
 class PPOptions:
     size: int = 1
+    #: pipeline schedule: 1f1b, gpipe, interleaved_1f1b, looped_bfs, zero_bubble, v_schedule, ...
     schedule: str = attrs.field(default="1f1b", converter=canonical)
+    #: samples per microbatch; the local batch is split into local_batch / microbatch_size
     microbatch_size: int = 1
     #: virtual stages per rank; default 1 for single-stage schedules, 2 for multi-stage ones
     stages_per_rank: int | None = None
@@ -95,6 +97,7 @@ class PPOptions:
     layers_per_stage: int | None = None
     #: explicit module FQNs of each stage, overriding the even split
     stages: list[list[str]] | None = None
+    #: torch's schedule divides the gradients by the number of microbatches (else the loss is)
     scale_grads_in_schedule: bool = False
 
 
