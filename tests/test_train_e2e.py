@@ -184,6 +184,11 @@ def test_checkpoint_reshards_bit_identically(runs):
     one = load_file(str(tmp / "hf_w1" / "model.safetensors"))
     assert one.keys() == exported.keys()
     assert all(torch.equal(one[k], exported[k]) for k in one)
+    # sharded over two processes: each loads and writes its half, nothing is gathered
+    assert main(["export", str(tmp / "w4.toml"), str(saved), str(tmp / "hf_w2"),
+                 "--nproc", "2"]) == 0
+    two = load_file(str(tmp / "hf_w2" / "model.safetensors"))
+    assert two.keys() == exported.keys() and all(torch.equal(two[k], exported[k]) for k in two)
 
 
 def test_bad_checkpoints_are_refused_and_kept(runs, tmp_path, capsys):

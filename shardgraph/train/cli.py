@@ -315,18 +315,53 @@ def _dryrun(args: argparse.Namespace) -> int:
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="the pipeline file the checkpoint was trained with")
     p.add_argument("checkpoint", help="a step_* checkpoint directory")
-    p.add_argument("out", help="new directory for config.json + model.safetensors")
+    p.add_argument("out", help="new directory for the safetensors shards, index and config.json")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes to shard the export over (the pipeline's plan at that world "
+                   "size: each loads and writes only its share; default 1)")
 
 
 def _export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
 
-    out = export_checkpoint(load_pipeline(args.file), Path(args.checkpoint), Path(args.out))
-    print(f"exported {out}")
+    pipeline = load_pipeline(args.file)
+    if _under_torchrun():
+        import torch.distributed as dist
+
+        from .loop import device_type
+
+        dist.init_process_group("nccl" if device_type() == "cuda" else "gloo")
+        try:
+            out = export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out))
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"exported {out}")
+        return 0
+    if args.nproc < 1:
+        raise PlanError([Violation("value", ("--nproc",), f"--nproc must be >= 1, got "
+                                   f"{args.nproc}", hint="e.g. --nproc 2")])
+    if args.nproc == 1:
+        out = export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out))
+        print(f"exported {out}")
+        return 0
+    pipeline.graph.compile(world_size=args.nproc)  # the plan's problems before launching
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={args.nproc}", "-m",
+                        "shardgraph.train", "export", str(Path(args.file).resolve()),
+                        str(Path(args.checkpoint).resolve()), str(Path(args.out).resolve())]))
+    except ChildFailedError as exc:
+        return _report_failure(exc.failures)
     return 0
 
 
 COMMANDS["train"] = ("train a pipeline (launches torchrun itself)", _train_args, _train)
 COMMANDS["dryrun"] = ("per-rank memory and collectives at a simulated world size",
                       _dryrun_args, _dryrun)
-COMMANDS["export"] = ("a checkpoint as one HF safetensors directory", _export_args, _export)
+COMMANDS["export"] = ("a checkpoint as an HF safetensors directory, written sharded",
+                      _export_args, _export)
