@@ -219,3 +219,22 @@ def test_the_planner_imports_neither_torch_nor_transformers():
                 assert node.module in ("core.errors", "core.options", "cli", "graphs.toml",
                                        "train.config", "parallelisms.pp"), (path.name,
                                                                             node.module)
+
+
+@pytest.mark.parametrize("command", [
+    ["estimate", "{file}", "--world-size", "1024", "--json"],
+    ["plan", "--auto", "{file}", "--world-size", "64", "--top", "2", "--json"],
+])
+def test_estimate_and_auto_run_without_torch_or_transformers(command):
+    """In a fresh process where importing torch or transformers fails outright."""
+    import subprocess
+    import sys
+
+    example = Path(shardgraph.__file__).parents[1] / "examples" / "llama3_70b_dryrun.toml"
+    args = [a.format(file=example) for a in command]
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+            "from shardgraph.cli import main; sys.exit(main(%r))" % args)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "tokens_per_s_per_gpu" in done.stdout
