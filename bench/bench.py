@@ -1,7 +1,8 @@
 """shardgraph against hand-written torch, in one process group and one run.
 
-The same model (seeded Llama), the same degrees and the same batches, parallelised (a) by a
-shardgraph plan and (b) by direct torch calls (``fully_shard`` per block and root, and for
+The same model (seeded Llama), the same degrees and the same batches, parallelised and stepped
+(a) by a shardgraph plan and its ``ParallelModel.step`` (which also computes the global gradient
+norm every step) and (b) by direct torch calls and a plain forward/backward/optimizer step (``fully_shard`` per block and root, and for
 ``--tp`` ``parallelize_module`` with the usual colwise/rowwise Llama recipe). Rounds alternate
 which of the two goes first, so drift in the machine's load hits both alike. Prints the ratio of
 median step times (a)/(b) per round with its mean and spread, and each rank's parameter bytes
@@ -141,7 +142,7 @@ def main() -> int:
         model = build(args).to(device)
         full = sum(p.numel() * p.element_size() for p in model.parameters())
         n_params = sum(p.numel() for p in model.parameters())
-        model, dp = how(model, args, device_type)
+        model, dp = how(model, args, device_type)  # shardgraph: its ParallelModel
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                     for p in model.parameters())
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False),
@@ -158,10 +159,14 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if name == "shardgraph":
+            # the whole step: token-weighted loss, backward, global gradient norm, optimizer
+            model.step({"input_ids": tokens}, opt)
+        else:
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
         dt = torch.tensor([time.perf_counter() - t0], device=device)

@@ -107,3 +107,13 @@ def test_mixtral_sized_moe_in_seconds():
     assert report["full_parameters"] == 46_702_792_704  # Mixtral-8x7B
     assert report["steps"] == ["ep", "fsdp2"] and report["sizes"]["ep"] == 8
     assert any(c["op"] == "all_to_all" and c["group"] == "ep" for c in report["collectives"])
+
+
+def test_ddp_dryrun_measures_the_replicated_model(tmp_path):
+    from shardgraph.train import loads_pipeline
+
+    pipeline = loads_pipeline("[plugins.ddp]\n[train]\nglobal_batch_size = 8\n")
+    report = dryrun(pipeline, world_size=4)
+    assert report["ideal_split"] == 1  # ddp replicates the whole model on every rank
+    assert report["local_parameters"] == report["full_parameters"]
+    assert any(c["op"] == "all_reduce" and c["group"] == "dp" for c in report["collectives"])

@@ -145,13 +145,14 @@ class Plan:
         (``shardgraph.weights.seeded_init`` or ``hf_load``), before the first step that
         ``needs_storage`` or at the end. ``init`` on a model with storage re-fills it the same
         way (the weights then do not depend on how the model was built). Without ``init`` a meta
-        model stays on ``meta`` (what the dry run measures).
+        model stays on ``meta`` (what the dry run measures), and a step that needs storage
+        leaves it unwrapped.
 
         Each step gets, in ``inputs``, the typed value (``core.values``) of every capability it
         consumes, reads or requires: exported from the provider's options (``export``) or by
         the provider's ``apply`` (``Applied(values=...)``); else the provider's options.
         """
-        from ..weights import materialize
+        from ..weights import materialize, on_meta
         from .runtime import ParallelModel
 
         self.check_model(model, ctx)
@@ -162,6 +163,10 @@ class Plan:
             if pending and plugin.needs_storage:
                 materialize(model, ctx.device, init)
                 pending = False
+            elif plugin.needs_storage and init is None and on_meta(model):
+                # Nothing to wrap (DDP broadcasts and buckets real tensors): a meta model
+                # without init stays as it is, which is what the dry run measures.
+                continue
             names = _param_names(model) if plugin.keeps_fqns else None
             out = plugin.apply(model, step.options, ctx, self.inputs_of(step, values))
             if isinstance(out, Applied):
