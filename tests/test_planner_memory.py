@@ -107,14 +107,14 @@ def test_shapes_equal_the_transformers_model(arch):
 
 
 def test_copied_defaults_and_layer_split_match_the_training_code():
-    from shardgraph.parallelisms.pp._split import split_layers as real_split
+    from shardgraph.parallelisms.pp._split import stage_specs
     from shardgraph.train.model import TINY as REAL_TINY
 
     assert TINY == REAL_TINY
-    for layers in range(1, 30):
-        for stages in range(1, layers + 1):
-            assert split_layers(layers, stages, None) == real_split(layers, stages, None)
-    assert split_layers(10, 4, 3) == real_split(10, 4, 3)
+    # the planner prices the split pp applies: one function, imported by both
+    assert stage_specs.__globals__["split_layers"] is split_layers
+    assert [list(r) for r in split_layers(10, 4, None)] == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
+    assert split_layers(10, 4, 3) == [range(0, 3), range(3, 6), range(6, 9), range(9, 10)]
 
 
 def test_local_config_json_is_read_without_transformers(tmp_path):

@@ -7,7 +7,7 @@ sharded data parallelism then splits dim 0 of what is left over ``dp_shard x cp`
 the first ranks get ``ceil(n / size)`` rows, so rank 0 is the worst); a routed expert's stack
 is split over ``ep`` on dim 0 and then over ``ep_shard`` on dim 0, or on dim 1 when fewer local
 experts than ``ep_shard`` ranks remain; ddp keeps whole copies. Pipeline stage ``s`` holds its
-layers (split as ``parallelisms.pp._split.split_layers`` does), the first stage the embedding,
+layers (``parallelisms.pp.split_layers``), the first stage the embedding,
 the last the final norm and the LM head.
 """
 
@@ -19,25 +19,9 @@ import math
 
 import attrs
 
+from ..parallelisms.pp import split_layers
 from .shape import ModelShape, Param, kind_params, layer_kind
 from .view import SCHEDULES, PlanView, Setup
-
-
-def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> list[range]:
-    """Same split as ``shardgraph.parallelisms.pp._split.split_layers`` (a test compares them):
-    even, a remainder to the middle stages first."""
-    if layers_per_stage is not None:
-        return [range(s * layers_per_stage, min(n_layers, (s + 1) * layers_per_stage))
-                for s in range(n_stages)]
-    counts = [n_layers // n_stages] * n_stages
-    order = list(range(1, n_stages - 1)) + [0, n_stages - 1][: min(2, n_stages)]
-    for i in range(n_layers % n_stages):
-        counts[order[i % len(order)]] += 1
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
 
 
 @attrs.frozen(cache_hash=True)

@@ -200,6 +200,26 @@ def microbatch_violations(options: PPOptions, sched: Schedule, n_stages: int, ba
 _ROUNDS = {"ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"}
 
 
+def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> list[range]:
+    """Contiguous layer ranges, one per stage.
+
+    Even split; a remainder goes to the middle stages first, because the first stage also holds
+    the embedding and the last the norm and the LM head (the big vocabulary matmul).
+    """
+    if layers_per_stage is not None:
+        return [range(s * layers_per_stage, min(n_layers, (s + 1) * layers_per_stage))
+                for s in range(n_stages)]
+    counts = [n_layers // n_stages] * n_stages
+    order = list(range(1, n_stages - 1)) + [0, n_stages - 1][: min(2, n_stages)]
+    for i in range(n_layers % n_stages):
+        counts[order[i % len(order)]] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
 def _model_check(model, options: PPOptions, ctx) -> list[Violation]:
     from ._split import model_violations
 

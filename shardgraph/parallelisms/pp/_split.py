@@ -23,6 +23,7 @@ import attrs
 import torch.nn as nn
 
 from ...core.errors import Violation
+from . import split_layers
 
 
 @attrs.frozen
@@ -111,26 +112,6 @@ def user_plan(model: nn.Module, stages: list[list[str]]) -> PipelinePlan | None:
         base=prefix, first=first, layers=fqn, n_layers=len(layers),
         last=tuple(n for n in tail if inside(n)), head=tuple(n for n in tail if not inside(n)),
     )
-
-
-def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> list[range]:
-    """Contiguous layer ranges, one per stage.
-
-    Even split; a remainder goes to the middle stages first, because the first stage also holds
-    the embedding and the last the norm and the LM head (the big vocabulary matmul).
-    """
-    if layers_per_stage is not None:
-        return [range(s * layers_per_stage, min(n_layers, (s + 1) * layers_per_stage))
-                for s in range(n_stages)]
-    counts = [n_layers // n_stages] * n_stages
-    order = list(range(1, n_stages - 1)) + [0, n_stages - 1][: min(2, n_stages)]
-    for i in range(n_layers % n_stages):
-        counts[order[i % len(order)]] += 1
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
 
 
 def stage_specs(plan: PipelinePlan, n_stages: int, layers_per_stage: int | None,
