@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import _get_registry
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 lightning = pytest.importorskip(
@@ -99,12 +99,23 @@ class Samples(Dataset):
         return {"tokens": self.tokens[i], "feats": self.feats[i]}
 
 
+class Stream(IterableDataset):
+    """The same samples as a DistributedSampler(shuffle=False) gives this data-parallel rank."""
+
+    def __init__(self, num_replicas: int, rank: int):
+        self.data, self.num_replicas, self.rank = Samples(), num_replicas, rank
+
+    def __iter__(self):
+        return (self.data[i] for i in range(self.rank, SAMPLES, self.num_replicas))
+
+
 MODELS = {"llama": lambda: tiny_llama(layers=2), "moe": tiny_moe}
 
 
 class LitModel(lightning.LightningModule):
     def __init__(self, model: str = "llama", composite: bool = False, frozen: bool = False,
-                 sampler_replicas: int | None = None, lightning_sampler: bool = False):
+                 sampler_replicas: int | None = None, lightning_sampler: bool = False,
+                 iterable: bool = False):
         super().__init__()
         self.composite, self.sampler_replicas = composite, sampler_replicas
         if composite:
@@ -118,7 +129,7 @@ class LitModel(lightning.LightningModule):
                 lambda mod, args, out: self.compute_dtypes.append(out.dtype))
         self.losses: list[torch.Tensor] = []
         self.compute_dtypes: list[torch.dtype] = []
-        self.lightning_sampler = lightning_sampler
+        self.lightning_sampler, self.iterable = lightning_sampler, iterable
 
     def configure_model(self):
         setup = getattr(self, "distributed_setup", None)
@@ -149,6 +160,8 @@ class LitModel(lightning.LightningModule):
                 if self.lightning_sampler else None
             return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=order)
         kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        if self.iterable:  # split by the data-parallel rank, as the strategy's warning asks
+            return DataLoader(Stream(**kwargs), batch_size=GLOBAL_BATCH // kwargs["num_replicas"])
         if self.lightning_sampler:  # Trainer(use_distributed_sampler=True) adds the sampler
             return DataLoader(data, batch_size=GLOBAL_BATCH // kwargs["num_replicas"])
         if self.sampler_replicas is not None:  # the mistake the strategy must catch
@@ -186,6 +199,7 @@ SCENARIOS = {
     # name: (strategy keywords, module keywords, trainer keywords)
     "fsdp2": (dict(), dict(), dict()),
     "fsdp2_accumulate": (dict(), dict(), dict(accumulate_grad_batches=2)),
+    "ddp_accumulate": (dict(dp_strategy="ddp"), dict(), dict(accumulate_grad_batches=2)),
     "fsdp2_bf16_mixed": (dict(), dict(), dict(precision="bf16-mixed")),
     "fsdp2_bf16_true": (dict(), dict(), dict(precision="bf16-true")),
     "ep_dp": (dict(ep_size=2), dict(model="moe"), dict()),
@@ -198,6 +212,7 @@ SCENARIOS = {
     "tp_sp_fsdp2_ac": (dict(tp_size=2, sequence_parallel=True, activation_checkpointing_llm=True),
                        dict(), dict()),
     "tp_wrong_sampler": (dict(tp_size=2), dict(sampler_replicas=4), dict()),
+    "tp_iterable": (dict(tp_size=2), dict(iterable=True), dict()),
     "tp_lightning_sampler": (dict(tp_size=2), dict(lightning_sampler=True),
                              dict(use_distributed_sampler=True)),
     "precision_conflict": (dict(distributed_config={"mixed_precision": {"param_dtype": "fp16"}}),
@@ -228,14 +243,15 @@ def _scenario(name: str, rank: int, world_size: int, steps: int = 3, **extra) ->
         trainer_kw = dict(trainer_kw, max_epochs=extra["epochs"], max_steps=-1)
     trainer = _trainer(world_size, steps, strategy, **trainer_kw)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             trainer.fit(lit, ckpt_path=extra.get("resume"))
     except PlanError as err:
         return {"error": str(err), "rules": err.rules, "keys": err.keys}
+    mine = [str(w.message) for w in caught if "ShardgraphStrategy" in str(w.message)]
     plan = lit.distributed_setup.plan
     out = {"losses": _dp_mean(lit, lit.losses), "steps": [s.plugin for s in plan.steps],
-           "plan": plan.to_dict()["steps"],
+           "plan": plan.to_dict()["steps"], "warnings": mine,
            "precision": type(trainer.strategy.precision_plugin).__name__,
            "compute_dtypes": sorted({str(d) for d in lit.compute_dtypes}),
            "param_dtypes": sorted({str(p.dtype) for p in lit.parameters()})}
@@ -267,11 +283,12 @@ def run_group(rank: int, world_size: int, names: list[str], ckpt: str | None) ->
 def groups(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("lightning") / "step2.ckpt")
     world2 = _dist.run(run_group, 2, ["fsdp2", "fsdp2_accumulate", "fsdp2_bf16_mixed",
-                                      "fsdp2_bf16_true", "ep_dp",
+                                      "fsdp2_bf16_true", "ddp_accumulate", "ep_dp",
                                       "composite", "composite_ddp", "precision_conflict"], ckpt,
                        timeout=300)
     world4 = _dist.run(run_group, 4, ["tp_fsdp2", "tp_sp_fsdp2_ac", "composite_tp",
-                                      "tp_wrong_sampler", "tp_lightning_sampler"], ckpt,
+                                      "tp_wrong_sampler", "tp_lightning_sampler", "tp_iterable"],
+                       ckpt,
                        timeout=300)
     return {2: world2, 4: world4, "ckpt": Path(ckpt)}
 
@@ -294,6 +311,7 @@ def _same_losses(results, name, expected, tol=1e-5):
     (4, "tp_sp_fsdp2_ac", {}),
     (4, "composite_tp", {"composite": True}),
     (4, "tp_lightning_sampler", {"lightning_sampler": True}),
+    (4, "tp_iterable", {}),
 ])
 def test_per_step_losses_match_a_one_device_trainer(groups, world, name, module):
     _same_losses(groups[world], name, reference(**module))
@@ -347,8 +365,18 @@ def test_frozen_parameters_stay_frozen_under_fsdp2_and_ddp(groups):
 
 
 @pytest.mark.multiprocess
-def test_gradient_accumulation_defers_the_reduction_and_matches(groups):
-    _same_losses(groups[2], "fsdp2_accumulate", reference(accumulate=2))
+@pytest.mark.parametrize("name", ["fsdp2_accumulate", "ddp_accumulate"])
+def test_gradient_accumulation_defers_the_reduction_and_matches(groups, name):
+    _same_losses(groups[2], name, reference(accumulate=2))
+
+
+@pytest.mark.multiprocess
+def test_an_iterable_dataset_under_tp_gets_a_warning_naming_the_dp_rank(groups):
+    said = groups[4][0]["tp_iterable"]["warnings"]
+    assert len(said) == 1 and "does not split an IterableDataset" in said[0]
+    assert "distributed_sampler_kwargs" in said[0] and "tp = 2" in said[0]
+    assert groups[4][1]["tp_iterable"]["warnings"] == []  # rank zero only
+    assert groups[4][0]["tp_fsdp2"]["warnings"] == []
 
 
 @pytest.mark.multiprocess
