@@ -129,17 +129,19 @@ def to_svg(plan: Plan) -> str:
     panel_w = cols * (node_w + PAD) + PAD
     panel_h = 24 + grid_rows * (node_h + PAD) + PAD
     panels = _panels(plan)
-    width, height = max(panel_w, 420), 40 + len(panels) * (panel_h + PAD)
+    width, height = max(panel_w, 520), 52 + len(panels) * (panel_h + PAD)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
         f"<title>shardgraph plan: world size {lay.world_size}, {lay.gpus_per_node} GPUs per "
         "node</title>",
-        f'<text x="{PAD}" y="20" font-size="14">world size {lay.world_size} · mesh '
+        f'<text x="{PAD}" y="18" font-size="14">world size {lay.world_size}, mesh '
         + escape(" x ".join(f"{a.value}={n}" for a, n in zip(lay.mesh_axes, lay.mesh_shape)))
-        + " · a box is a node; ranks of one colour form one group</text>",
+        + "</text>",
+        f'<text x="{PAD}" y="36">a box is a node of {lay.gpus_per_node} GPUs; ranks of one '
+        "colour form one process group of the panel's axis</text>",
     ]
-    y0 = 40
+    y0 = 52
     for axis, group_of, count in panels:
         out.append(f'<g id="panel-{escape(axis)}" transform="translate(0,{y0})">')
         out.append(f'<text x="{PAD}" y="16" font-size="13" font-weight="bold">{escape(axis)}'
