@@ -147,3 +147,12 @@ def test_fast_commands_import_neither_torch_nor_transformers(command, pipeline, 
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stderr
+
+
+def test_groups_are_named_as_the_strategy_s_mesh_names_them():
+    from shardgraph import Graph
+    from shardgraph.graphs.explain import rank_groups
+
+    assert rank_groups(Graph().add("ddp").compile(world_size=4).layout) == {"dp": [[0, 1, 2, 3]]}
+    assert rank_groups(Graph().add("fsdp2").compile(world_size=4).layout) == {
+        "dp_shard": [[0, 1, 2, 3]]}

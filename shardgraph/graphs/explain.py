@@ -30,7 +30,10 @@ def shown_axes(layout: MeshLayout) -> list[Axis]:
             continue
         if axis in (Axis.EP, Axis.EP_SHARD) and layout.ep == 1:
             continue
-        if axis is Axis.DP and layout.dp_replicate == 1:
+        # Without replication dp and dp_shard are the same groups: name them as the mesh does
+        # (ddp and megatron_fsdp work on a dp axis, fsdp2 on dp_shard).
+        if layout.dp_replicate == 1 and axis is (
+                Axis.DP_SHARD if Axis.DP in layout.mesh_axes else Axis.DP):
             continue
         if axis in (Axis.DP_SHARD_CP, Axis.DP_CP) and layout.cp == 1:
             continue
