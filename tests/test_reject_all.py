@@ -137,6 +137,17 @@ def test_every_named_fix_can_be_followed(graph, world, gpus):
     assert checked or not named
 
 
+def test_an_unknown_strategy_is_answered_with_strategies_only():
+    for name, close in (("fsdp3", "fsdp2"), ("megatron_fsd", "megatron_fsdp"), ("tp", None)):
+        with pytest.raises(PlanError) as info:
+            loads_toml(f'[distributed]\nstrategy = "{name}"\ntp_size = 2\n',
+                       strict=False).compile(world_size=4)
+        assert info.value.rules == ("unknown-plugin",) and info.value.key == "distributed.strategy"
+        assert (f"did you mean {close!r}" in str(info.value)) == (close is not None)
+        listed = re.findall(r"'([\w-]+)'", info.value.violations[0].hint)
+        assert set(listed) == {"ddp", "fsdp2", "megatron_fsdp", "megatron-fsdp", "mfsdp"}
+
+
 def test_nemo_strategy_aliases_are_accepted():
     for alias in ("megatron-fsdp", "mfsdp"):
         plan = loads_toml(f'[distributed]\nstrategy = "{alias}"\ntp_size = 2\n').compile(

@@ -168,7 +168,8 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
             bad.append(Violation(
                 "world-size", (world_key, *size_keys),
                 f"world size {world} is not divisible by pp * cp * tp = {pp} * {cp} * {tp}",
-                hint=f"use a world size that is a multiple of {model}, or smaller degrees",
+                hint=f"use a world size that is a multiple of {model}, or degrees whose "
+                f"product pp * cp * tp divides {world}",
             ))
         else:
             dp = world // model

@@ -215,7 +215,7 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
         ))
     # Rules about something missing are not judged while some input went unread: an unknown
     # key of the pipeline file may be the size or switch that would have provided it.
-    unread = any(v.rule in ("unknown-key", "type") for v in graph.problems)
+    unread = any(v.rule in ("unknown-key", "type", "unknown-plugin") for v in graph.problems)
     dp_cp = mesh.degree(Axis.DP)
     if not strategies and not unresolved and not unread and dp_cp is not None and dp_cp > 1:
         # an idle strategy is fine at dp * cp = 1; an unknown plugin may be the strategy

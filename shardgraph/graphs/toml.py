@@ -147,14 +147,32 @@ def _settings(graph: Graph, data: Mapping[str, Any], bad: list[Violation]) -> No
             graph.keys[key] = f"{section}.{key}"
 
 
-def _strategy_options(name: str, registry: Registry | None) -> tuple[str, ...] | None:
-    """The option names of the strategy ``name``, or None when no such plugin loads."""
-    from ..plugins import default_registry
+def _strategy(name: str, registry: Registry | None, key: str, bad: list[Violation]):
+    """The plugin ``strategy = name`` names, or None with a violation that lists only the
+    strategies (a plugin that fails to load is left to the compiler, which names its
+    distribution)."""
+    from ..plugins import Kind, default_registry
 
     registry = registry if registry is not None else default_registry()
     if name not in registry:
         registry.load_entry_points(only={name})
-    return option_names(registry.get(name).options) if name in registry else None
+    if name in registry.failures:
+        return None
+    strategies = sorted(p.name for p in registry if p.kind is Kind.STRATEGY)
+    choices = [*strategies, *STRATEGY_ALIASES]
+    hint = ("valid: " + ", ".join(repr(c) for c in choices) + "; a third-party strategy is "
+            "found through the entry-point group 'shardgraph.plugins' of an installed package")
+    if name not in registry:
+        close = did_you_mean(name, strategies) or did_you_mean(name, list(STRATEGY_ALIASES))
+        bad.append(Violation("unknown-plugin", (key,), f"no strategy named {name!r}{close}",
+                             hint=hint, plugin=name))
+        return None
+    plugin = registry.get(name)
+    if plugin.kind is not Kind.STRATEGY:
+        bad.append(Violation("unknown-plugin", (key,), f"{name!r} is a {plugin.kind.value}, "
+                             "not a data-parallel strategy", hint=hint, plugin=name))
+        return None
+    return plugin
 
 
 def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
@@ -166,7 +184,10 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
                              f"{strategy!r}", hint="e.g. strategy = \"fsdp2\""))
         strategy = "fsdp2"
     strategy = STRATEGY_ALIASES.get(strategy, strategy)
-    own = _strategy_options(strategy, registry)
+    bad_before = len(bad)
+    plugin = _strategy(strategy, registry, p + "strategy", bad)
+    known = len(bad) == bad_before  # a strategy that failed to load is still the user's entry
+    own = option_names(plugin.options) if plugin is not None else None
     strategy_options, strategy_origins = {}, {}
     for key, value in dist.items():
         if key in DISTRIBUTED_KEYS:
@@ -184,8 +205,9 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
         else:  # an option of the strategy (defer_fsdp_grad_sync, ...)
             strategy_options[key] = value
             strategy_origins[key] = p + key
-    graph.entries.append(Entry(strategy, strategy_options, path=p + "strategy",
-                               origins=strategy_origins))
+    if known:
+        graph.entries.append(Entry(strategy, strategy_options, path=p + "strategy",
+                                   origins=strategy_origins))
     if "dp_size" in dist:
         graph.dp_size = dist["dp_size"]
         graph.keys["dp_size"] = p + "dp_size"
