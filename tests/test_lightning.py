@@ -509,16 +509,20 @@ def test_the_constructor_takes_plain_values_from_a_config_system():
     assert options["activation_checkpointing"].scopes == {"llm": ["model.layers.0"]}
 
 
-def test_a_perception_encoder_is_refused_under_cp_and_left_untouched():
+@pytest.mark.parametrize("keywords, keys", [
+    (dict(cp_size=2), ("cp_size",)),
+    (dict(tp_size=2, sequence_parallel=True), ("sequence_parallel",)),
+])
+def test_a_perception_encoder_is_refused_under_cp_or_sp_and_left_untouched(keywords, keys):
     from shardgraph.core.context import MeshContext
     from shardgraph.lightning import DistributedSetup
 
-    plan, encoder_plan = ShardgraphStrategy(cp_size=2)._options.compile(4)
+    plan, encoder_plan = ShardgraphStrategy(**keywords)._options.compile(4)
     setup = DistributedSetup(plan, MeshContext(plan.layout, "cpu"), encoder_plan)
     llm, encoder = tiny_llama(), Encoder()
-    with pytest.raises(PlanError, match="without pipeline and context parallel") as info:
+    with pytest.raises(PlanError, match="without pipeline, context and sequence") as info:
         setup.apply(llm, perception=encoder)
-    assert info.value.rule == "composite" and info.value.keys == ("cp_size",)
+    assert info.value.rule == "composite" and info.value.keys == keys
     assert not hasattr(llm, "_shardgraph_plan")
 
 

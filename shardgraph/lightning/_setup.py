@@ -91,16 +91,21 @@ class DistributedSetup:
 
     def _composite_ctx(self) -> MeshContext:
         layout = self.plan.layout
-        bad = [(name, size) for name, size in (("pp_size", layout.pp), ("cp_size", layout.cp))
-               if size > 1]
+        bad = [f"{name} = {size}" for name, size in (("pp_size", layout.pp),
+                                                     ("cp_size", layout.cp)) if size > 1]
+        registry = self.plan.registry
+        if any("sequence_parallel" in registry.get(s.plugin).provides for s in self.plan.steps):
+            # the LLM's token embeddings come out split along the sequence: the encoder's
+            # frames cannot be joined to them
+            bad.append("sequence_parallel = True")
         if bad or self.perception_plan is None:
             raise PlanError([Violation(
-                "composite", tuple(n for n, _ in bad),
-                "a perception encoder next to the LLM is supported without pipeline and context "
-                "parallelism: " + ", ".join(f"{n} = {s}" for n, s in bad)
-                + " (the encoder would live on one stage / see one part of the sequence)",
-                hint="set pp_size = 1 and cp_size = 1, or make the encoder part of the model "
-                     "given to apply()")])
+                "composite", tuple(b.split(" = ")[0] for b in bad),
+                "a perception encoder next to the LLM is supported without pipeline, context "
+                "and sequence parallelism: " + ", ".join(bad) + " (the encoder would live on "
+                "one stage / its frames meet a sequence split across ranks)",
+                hint="set pp_size = 1, cp_size = 1 and sequence_parallel = False for a "
+                     "composite model")])
         if self._perception_ctx is None:
             if self.perception_plan.layout == layout:
                 self._perception_ctx = self.ctx
