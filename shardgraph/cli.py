@@ -145,19 +145,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _register_optional_commands(argv)
     args = build_parser().parse_args(argv)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PlanWarning)
-        try:
-            return args.run(args)
-        except PlanError as exc:
-            print(f"shardgraph {args.command}: {exc}", file=sys.stderr)
-            return 2
-        finally:
-            for w in caught:  # input ignored on purpose: said on stderr, the exit code stays
-                if issubclass(w.category, PlanWarning):
-                    print(f"shardgraph {args.command}: warning: {w.message}", file=sys.stderr)
-                else:
-                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PlanWarning)
+            try:
+                return args.run(args)
+            except PlanError as exc:
+                print(f"shardgraph {args.command}: {exc}", file=sys.stderr)
+                return 2
+    finally:
+        # after the with: inside it showwarning appends to ``caught`` (an endless loop)
+        for w in caught:  # input ignored on purpose: said on stderr, the exit code stays
+            if issubclass(w.category, PlanWarning):
+                print(f"shardgraph {args.command}: warning: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def _register_optional_commands(argv: Sequence[str]) -> None:

@@ -221,6 +221,26 @@ def test_a_failed_final_save_keeps_the_checkpoints_and_says_where_to_point_dir(
 
 # -- the real launcher ----------------------------------------------------------------------
 
+def _limit_memory() -> None:
+    import resource
+
+    # a CLI that loops on its own warnings fails here with MemoryError, not the machine
+    resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+
+
+def test_a_one_process_run_with_warnings_finishes(tmp_path):
+    """``--nproc 1`` trains in the launcher's process, where DCP warns that it saves without a
+    process group: the CLI re-emits such warnings once (it used to append them while re-emitting
+    them, without end)."""
+    path = write(tmp_path / "p.toml", pipeline_text(tmp_path / "ck", steps=2))
+    done = subprocess.run([sys.executable, "-m", "shardgraph.train", "train", str(path),
+                           "--nproc", "1"], capture_output=True, text=True, timeout=180,
+                          preexec_fn=_limit_memory)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "saved" in done.stdout and done.stderr.count("UserWarning") <= 4, done.stderr
+
+
+
 def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
