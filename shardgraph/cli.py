@@ -145,22 +145,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _register_optional_commands(argv)
     args = build_parser().parse_args(argv)
-    caught: list = []
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", PlanWarning)
-            try:
-                return args.run(args)
-            except PlanError as exc:
-                print(f"shardgraph {args.command}: {exc}", file=sys.stderr)
-                return 2
-    finally:
-        # after the with: inside it showwarning appends to ``caught`` (an endless loop)
-        for w in caught:  # input ignored on purpose: said on stderr, the exit code stays
-            if issubclass(w.category, PlanWarning):
-                print(f"shardgraph {args.command}: warning: {w.message}", file=sys.stderr)
-            else:
-                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        # Input ignored on purpose (a PlanWarning) is said in the CLI's voice, on stderr, and
+        # the exit code stays; every other warning is shown as usual, when it happens (a
+        # recording list would hold a long run's warnings back, and re-showing them inside
+        # ``catch_warnings(record=True)`` appends to the list being read).
+        if issubclass(category, PlanWarning):
+            print(f"shardgraph {args.command}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", PlanWarning)
+        warnings.showwarning = show
+        try:
+            return args.run(args)
+        except PlanError as exc:
+            print(f"shardgraph {args.command}: {exc}", file=sys.stderr)
+            return 2
 
 
 def _register_optional_commands(argv: Sequence[str]) -> None:
