@@ -18,6 +18,6 @@ def export_checkpoint(pipeline: Pipeline, path: Path, out: Path) -> Path:
     world = dist.get_world_size() if dist.is_initialized() else 1
     # A DCP checkpoint loads under any plan: the pipeline's own, at this world size.
     plan = pipeline.graph.compile(world_size=world)
-    model = plan.apply(meta_model(pipeline.model), plan.build_mesh("cpu"),
-                       init=lambda m: ckpt.load(path, m, None))
-    return ckpt.export_hf(model, pipeline.model, out)
+    parallel = plan.apply(meta_model(pipeline.model), plan.build_mesh("cpu"),
+                          init=lambda m: ckpt.load(path, m, None))
+    return ckpt.export_hf(parallel.module, pipeline.model, out)

@@ -1,11 +1,13 @@
 """Weights of a model larger than one rank: build on ``meta``, shard, then materialise each
 rank's shards from a seed or from an HF checkpoint; save HF checkpoints sharded.
 
-    with sg.meta_params():
+    from shardgraph.weights import hf_load, meta_params, save_hf, seeded_init, tensor_specs
+
+    with meta_params():
         model = LlamaForCausalLM(config)          # no parameter storage anywhere
-    model = plan.apply(model, ctx, init=sg.seeded_init(0, model._init_weights))
-    # or: init=sg.hf_load("local/hf/dir")
-    sg.save_hf(model, "out", config=config, all_tensors=...)
+    parallel = plan.apply(model, ctx, init=seeded_init(0, model._init_weights))
+    # or: init=hf_load("local/hf/dir")
+    save_hf(parallel.module, "out", config=config, all_tensors=tensor_specs(whole_meta_model))
 """
 
 from ._hf import check_checkpoint, hf_load, read_headers, save_hf, tensor_specs
