@@ -51,7 +51,7 @@ def _finetune(rank: int, world: int, root: str) -> dict:
 
     os.chdir(root)  # the example's paths are relative, as in the README
     done = train(_pipeline(Path(root), plugins=True), steps=STEPS)
-    state = ckpt.full_state_dict(done["model"])
+    state = ckpt.full_state_dict(done["model"].module)
     return {"losses": [r["loss"] for r in done["rows"]],
             "plan": [s.plugin for s in done["plan"].steps], "state": dict(state)}
 
