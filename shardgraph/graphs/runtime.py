@@ -67,6 +67,7 @@ class ParallelModel:
     def __init__(self, plan: Plan, ctx: MeshContext, module: nn.Module,
                  values: dict[str, Any]):
         self.plan, self.ctx, self.module, self.values = plan, ctx, module, dict(values)
+        self._hook_cache: dict[str, list] = {}
         runners = [v for v in values.values() if isinstance(v, StepRunner)]
         self.runner: StepRunner | None = runners[0] if runners else None
 
@@ -109,11 +110,15 @@ class ParallelModel:
             stack.enter_context(plugin.loss_context(step.options))
         return stack
 
-    def _hooks(self, name: str):
-        for step in self.plan.steps:
-            plugin = self.plan.registry.get(step.plugin)
-            if getattr(plugin, name) is not None:
-                yield step, plugin, self.plan.inputs_of(step, self.values)
+    def _hooks(self, name: str) -> list[tuple[Any, Any, dict[str, Any]]]:
+        """``(step, plugin, inputs)`` of every step declaring hook ``name``, worked out once
+        (a step runs them every micro-batch)."""
+        if name not in self._hook_cache:
+            self._hook_cache[name] = [
+                (step, plugin, self.plan.inputs_of(step, self.values))
+                for step in self.plan.steps
+                if getattr(plugin := self.plan.registry.get(step.plugin), name) is not None]
+        return self._hook_cache[name]
 
     def _group(self, *axes: Axis):
         """The process group over ``axes`` (data: ``dp``; data and context: ``dp_cp``), or None
