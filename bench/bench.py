@@ -165,6 +165,12 @@ def main() -> int:
         else:
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
+            if args.tp == 1:
+                # what a loop by hand does too: the gradient norm (for clipping and the log) and
+                # the loss averaged over dp; under tp x fsdp2 torch's clip_grad_norm_ cannot mix
+                # the two meshes, so the hand-written side skips it there
+                torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                dist.all_reduce(loss.detach())
             opt.step()
             opt.zero_grad(set_to_none=True)
         if cuda:
