@@ -14,15 +14,9 @@ import pytest
 
 from shardgraph import Graph, PlanError, PlanWarning, builtin_registry, loads_toml
 
+from tests.test_compiler import g  # one graph builder for both rule tables
+
 REGISTRY = builtin_registry()
-
-
-def g(*plugins, **settings) -> Graph:
-    graph = Graph(**settings)
-    for item in plugins:
-        name, options = (item, {}) if isinstance(item, str) else item
-        graph.add(name, **options)
-    return graph
 
 
 # (pipeline: Graph or TOML text, world size, gpus per node, the complete set of rules)
