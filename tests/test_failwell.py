@@ -271,7 +271,12 @@ def gone(pid: int) -> bool:
 
 
 class Launch:
-    """``shardgraph train FILE --nproc 2`` in a subprocess; stdout read as it comes."""
+    """``shardgraph train FILE --nproc 2`` in a subprocess.
+
+    One reader per pipe: a thread owns stdout (lines kept as they come, so a test can wait
+    for one), another owns stderr; the process is waited on, never ``communicate()``d, which
+    would make a second reader of stdout and split its lines between the two.
+    """
 
     def __init__(self, path: Path, env: dict | None = None):
         self.proc = subprocess.Popen(
@@ -279,36 +284,51 @@ class Launch:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})})
         self.lines: list[str] = []
-        self.stderr = ""
-        self._out = threading.Thread(target=self._read, daemon=True)
-        self._out.start()
+        self._err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(pipe, into), daemon=True)
+                         for pipe, into in ((self.proc.stdout, self.lines),
+                                            (self.proc.stderr, self._err))]
+        for reader in self._readers:
+            reader.start()
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
+    @staticmethod
+    def _read(pipe, into: list[str]) -> None:
+        for line in pipe:
+            into.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._err)
 
     def wait_for(self, prefix: str, timeout: float = 150) -> None:
         deadline = time.monotonic() + timeout
         while not any(line.startswith(prefix) for line in self.lines):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise AssertionError(f"no {prefix!r} line: {''.join(self.lines)}\n"
-                                     f"{self.proc.stderr.read()}")
+                self._drain()
+                raise AssertionError(f"no {prefix!r} line: {''.join(self.lines)}\n{self.stderr}")
             time.sleep(0.1)
 
     def finish(self, timeout: float) -> int:
+        """Wait for the launcher to exit and for both pipes to reach their end."""
         try:
-            _, self.stderr = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise
-        self._out.join(5)
+        self._drain()
         return self.proc.returncode
+
+    def _drain(self) -> None:
+        # the pipes close when the last process holding them (launcher or worker) exits
+        for reader in self._readers:
+            reader.join(30)
 
     def kill(self) -> None:
         for pid in workers(self.proc.pid).values():
             os.kill(pid, signal.SIGKILL)
         self.proc.kill()
+        self.proc.wait()
 
 
 @pytest.fixture(scope="module")

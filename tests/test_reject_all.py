@@ -104,10 +104,10 @@ def _fixes(hint: str) -> list[tuple[set[str], set[str]]]:
     return out
 
 
-def _graph_cases():
-    for case, (source, world, gpus, _) in sorted(REJECTED.items()):
-        if isinstance(source, Graph):
-            yield pytest.param(source, world, gpus, id=case)
+def _graph_cases() -> list:
+    return [pytest.param(source, world, gpus, id=case)
+            for case, (source, world, gpus, _) in sorted(REJECTED.items())
+            if isinstance(source, Graph)]
 
 
 @pytest.mark.parametrize("graph,world,gpus", _graph_cases())
