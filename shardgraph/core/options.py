@@ -90,14 +90,10 @@ def structure_options(
         return None, violations + found
 
 
-def _leaves(group: BaseException) -> list[tuple[str, BaseException]]:
-    out = []
-    for exc in getattr(group, "exceptions", ()):
-        name = next(
-            (n.name for n in getattr(exc, "__notes__", ()) if hasattr(n, "name")), "?"
-        )
-        out.append((name, exc))
-    return out
+def _leaves(group: cattrs.ClassValidationError) -> list[tuple[str, BaseException]]:
+    """``(field, error)`` of each field that failed, as cattrs groups them."""
+    failed, _ = group.group_exceptions()
+    return [(note.name, exc) for exc, note in failed]
 
 
 def _to_violation(item, origin, plugin: str, cls: type) -> Violation:
@@ -114,15 +110,17 @@ def _to_violation(item, origin, plugin: str, cls: type) -> Violation:
 
 
 def _messages(exc: BaseException) -> list[str]:
-    """The leaf errors of a cattrs exception group, each with the map key or index it hit."""
-    if not getattr(exc, "exceptions", None):  # not a group (ExceptionGroup is 3.11+)
+    """The leaf errors under a cattrs validation error, each prefixed with the map key or index
+    where it happened (cattrs' own grouping walks the tree)."""
+    if not isinstance(exc, (cattrs.ClassValidationError, cattrs.IterableValidationError)):
         return [str(exc)]
+    failed, other = exc.group_exceptions()
     out = []
-    for inner in exc.exceptions:
-        where = [str(getattr(n, "name", getattr(n, "index", ""))) for n in
-                 getattr(inner, "__notes__", ()) if hasattr(n, "name") or hasattr(n, "index")]
-        prefix = f"[{where[0]!r}] " if where else ""
-        out += [prefix + m for m in _messages(inner)]
+    for inner, note in failed:
+        where = getattr(note, "name", getattr(note, "index", None))
+        out += [f"[{where!r}] " + m for m in _messages(inner)]
+    for inner in other:
+        out += _messages(inner)
     return out
 
 
