@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -87,9 +90,28 @@ def build_mesh_context(layout: MeshLayout, device_type: str = "cpu") -> MeshCont
             # Flattening is private in torch 2.13; it is the only way to get these groups
             # as sub-meshes of one DeviceMesh (what DTensor and fully_shard need).
             flat[name] = mesh[tuple(p.value for p in parts)]._flatten(name.value)
+    elif Axis.DP in layout.mesh_axes and Axis.CP in layout.mesh_axes:
+        # A (dp, cp, ...) mesh (megatron_fsdp's): dp_cp merges its data and context axes.
+        flat[Axis.DP_CP] = mesh["dp", "cp"]._flatten(Axis.DP_CP.value)
     moe = None
     if layout.ep > 1:
         moe = init_device_mesh(
             device_type, layout.moe_mesh_shape, mesh_dim_names=tuple(a.value for a in MOE_AXES)
         )
     return MeshContext(layout, device_type, mesh, moe, flat)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks, this process as ``rank``: every collective
+    returns at once without moving data, so a plan's meshes, checks and shapes can be built
+    and measured in one process (the dry run, the checks before launch). Torn down on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's only fake store
+
+    if dist.is_initialized():
+        raise RuntimeError("a fake world needs a process of its own: a process group exists")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

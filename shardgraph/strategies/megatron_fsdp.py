@@ -71,9 +71,9 @@ def _apply(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContext, inp
                           key=lambda cls: cls.__name__)
     shard_dim = "dp"
     if ctx.cp_size > 1:
-        # Megatron-FSDP shards over a flattened dp x cp sub-mesh (CP ranks hold equal weights).
-        ctx.device_mesh["dp", "cp"]._flatten("dp_cp")
-        shard_dim = "dp_cp"
+        # Megatron-FSDP shards over the flattened dp x cp sub-mesh (CP ranks hold equal
+        # weights); it looks the sub-mesh up by name in the device mesh.
+        shard_dim = ctx.mesh(Axis.DP_CP).mesh_dim_names[0]
     return fully_shard_model(
         module=model,
         device_mesh=ctx.device_mesh,

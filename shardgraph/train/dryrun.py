@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..core.context import fake_world
 from ..core.errors import PlanError, Violation
 from ..core.values import BatchShape
 from .config import Pipeline
@@ -36,20 +36,13 @@ def dryrun(pipeline: Pipeline, world_size: int, rank: int = 0) -> dict[str, Any]
         raise PlanError([Violation("value", ("--rank",), f"rank {rank} is not in a world of "
                                    f"{world_size}", hint=f"use 0 .. {world_size - 1}")])
     plan = compile_for(pipeline, world_size, "--world-size")
-    if dist.is_initialized():
-        raise RuntimeError("dryrun needs a process of its own: a process group already exists")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
+    with fake_world(world_size, rank):
         ctx = plan.build_mesh("cpu")
         model = build_model(pipeline.model, seed=pipeline.train.seed, device="meta")
         full_params = sum(p.numel() for p in model.parameters())
         full_bytes = sum(_bytes(p) for p in model.parameters())
         parallel = plan.apply(model, ctx)
         report = _measure(parallel, pipeline, plan, ctx, full_params, full_bytes)
-    finally:
-        dist.destroy_process_group()
     report.update(world_size=world_size, rank=rank, steps=[s.plugin for s in plan.steps],
                   sizes=plan.layout.sizes())
     return report

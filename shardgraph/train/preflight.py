@@ -80,19 +80,17 @@ def _model_checks(plan, model, nproc: int, bad: list[Violation]) -> None:
     ...) as rank 0 of ``nproc`` would run them, on a fake process group like ``dryrun``'s."""
     import torch.distributed as dist
 
+    from ..core.context import fake_world
+
     if dist.is_initialized():
         return  # inside someone's process group: the workers run these checks
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nproc)
-    try:
-        plan.check_model(model, plan.build_mesh("cpu"))
-    except PlanError as exc:
-        bad += exc.violations
-    except Exception:  # noqa: BLE001 - a check that needs real tensors: the workers run it
-        pass
-    finally:
-        dist.destroy_process_group()
+    with fake_world(nproc):
+        try:
+            plan.check_model(model, plan.build_mesh("cpu"))
+        except PlanError as exc:
+            bad += exc.violations
+        except Exception:  # noqa: BLE001 - a check that needs real tensors: the workers run it
+            pass
 
 
 def _data(pipeline: Pipeline, bad: list[Violation]) -> None:
