@@ -32,8 +32,8 @@ _EXPORTS = {
     "NoOptions": "shardgraph.plugins._spec",
     "Plugin": "shardgraph.plugins._spec",
     "Registry": "shardgraph.plugins._registry",
-    "builtin_registry": "shardgraph.plugins._registry",
-    "default_registry": "shardgraph.plugins._registry",
+    "builtin_registry": "shardgraph.plugins.builtin",
+    "default_registry": "shardgraph.plugins.builtin",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -63,4 +63,5 @@ if TYPE_CHECKING:
     from .graphs.toml import load_toml, loads_toml
     from .parallelisms.cp import shard_batch
     from .planner import autoplan, estimate
-    from .plugins import Kind, NoOptions, Plugin, Registry, builtin_registry, default_registry
+    from .plugins import Kind, NoOptions, Plugin, Registry
+    from .plugins.builtin import builtin_registry, default_registry

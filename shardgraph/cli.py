@@ -17,7 +17,7 @@ from pathlib import Path
 from .core.errors import PlanError, PlanWarning, Violation
 from .graphs.explain import explain, rank_groups, to_dot, to_svg
 from .graphs.toml import load_toml
-from .plugins import default_registry
+from .plugins.builtin import default_registry
 from .plugins._describe import describe
 
 #: Extra subcommands: name -> (help, add_arguments(parser), run(args) -> exit code). A module

@@ -53,11 +53,11 @@ def _scenario(name: str, world_size: int) -> dict:
     if name == "fsdp2_defer":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         halves = local.chunk(2)
-        plan.gradient_sync(parallel, False)
+        parallel.gradient_sync(False)
         loss0 = model(input_ids=halves[0], labels=halves[0]).loss / 2
         loss0.backward()
         result["grad_after_first"] = any(p.grad is not None for p in model.parameters())
-        plan.gradient_sync(parallel, True)
+        parallel.gradient_sync(True)
         loss1 = model(input_ids=halves[1], labels=halves[1]).loss / 2
         loss1.backward()
         opt.step()

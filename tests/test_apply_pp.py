@@ -112,7 +112,7 @@ def _scenario(name: str, world_size: int) -> dict:
     except TypeError as exc:
         called = str(exc)
     try:
-        plan.train_step(parallel, tokens[:1], lm_loss)  # 1 microbatch cannot fill the pipeline
+        parallel.step(tokens[:1], None)  # 1 microbatch cannot fill the pipeline
         too_small = "no error"
     except PlanError as exc:
         too_small = str(exc)
@@ -123,17 +123,13 @@ def _scenario(name: str, world_size: int) -> dict:
         part.register_forward_hook(lambda mod, args, out: sent_dtypes.append(str(out.dtype)))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(steps):
-        loss = plan.train_step(parallel, local, lm_loss)
-        opt.step()
-        opt.zero_grad()
-    total = loss.clone()
-    dist.all_reduce(total, group=dp.get_group())
+        loss = parallel.step(local, opt).loss  # the token mean over the global batch
     diff = 0.0
     for n, p in model.named_parameters():
         diff = max(diff, (full(p).float() - ref_params[n].float()).abs().max().item())
     owned = {n for n, _ in model.named_parameters()}
     return {
-        "loss": total.item() / dp.size(), "ref_loss": ref_loss, "param_diff": diff,
+        "loss": loss, "ref_loss": ref_loss, "param_diff": diff,
         "names": sorted(owned), "stage_ids": list(parallel.runner.stage_ids),
         "local_bytes": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                            * p.element_size() for p in model.parameters()),
@@ -343,16 +339,15 @@ def test_model_without_pipeline_plan_is_refused():
     assert "plugins.pp.stages" in str(err.value)
 
 
-def test_train_step_without_pp_is_a_plain_step():
+def test_step_without_pp_is_a_plain_step():
     plan = Graph().add("activation_checkpointing").compile(world_size=1)
     model = tiny_llama(layers=2)
     tokens = batch(global_batch=2)
     ref_loss, ref_params = reference(model, tokens, microbatch_size=2)
     parallel = plan.apply(model, plan.build_mesh("cpu"))
-    loss = plan.train_step(parallel, tokens, lm_loss)
     model = parallel.module
-    torch.optim.SGD(model.parameters(), lr=LR).step()
-    assert abs(loss.item() - ref_loss) < 1e-6
+    loss = parallel.step(tokens, torch.optim.SGD(model.parameters(), lr=LR)).loss
+    assert abs(loss - ref_loss) < 1e-6
     assert max((p - ref_params[n]).abs().max().item() for n, p in model.named_parameters()) < 1e-7
 
 
@@ -374,7 +369,7 @@ def _fail_worker(rank: int, world_size: int, port: int, out: str) -> None:
 
         if parallel.runner.has_last:
             parallel.parts[-1].register_forward_pre_hook(boom)
-        plan.train_step(parallel, batch(global_batch=2), lm_loss)
+        parallel.step(batch(global_batch=2), None)
     except Exception as exc:  # noqa: BLE001 - the message is what the test checks
         text = f"{type(exc).__name__}: {exc}"
     Path(out, f"rank{rank}.txt").write_text(text)

@@ -11,10 +11,10 @@
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -34,7 +34,7 @@ from shardgraph.core.values import PrecisionPolicy
 class Options:
     compute: str = "bf16"
 
-def export(options, layout):
+def export(options, layout, inputs):
     return {"precision_policy": PrecisionPolicy(options.compute, "fp32", "fp32")}
 
 def apply(model, options, ctx, inputs):
@@ -124,30 +124,37 @@ def test_hooks_with_extra_defaults_or_var_args_are_accepted():
     Registry().register(ok)
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            out.add(("." * node.level) + node.module)
-            out |= {("." * node.level) + node.module + "." + a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            out |= {"." * node.level + a.name for a in node.names}
-    return out
+def test_consuming_or_reading_a_flag_is_refused_at_registration():
+    reader = Plugin(name="reader", kind=Kind.POLICY, reads={"model_parallel"},
+                    apply=lambda model, options, ctx, inputs: model)
+    with pytest.raises(PluginValidationError, match="'model_parallel', which carries no declared "
+                                                    "contract") as err:
+        Registry().register(reader)
+    assert err.value.plugin == "reader"
+    own = Plugin(name="own", kind=Kind.POLICY, provides={"my_value"}, contracts={"my_value": int})
+    registry = Registry()
+    registry.register(own)
+    registry.register(attrs.evolve(reader, reads={"my_value"}))  # a declared contract: accepted
 
 
-def test_no_plugin_module_imports_another_plugin_module():
+def test_a_value_of_another_type_than_its_contract_is_refused():
+    from shardgraph.core.values import PrecisionPolicy
+
+    wrong = Plugin(name="wrong_precision", kind=Kind.POLICY, provides={"precision_policy"},
+                   before={"data_parallel"},
+                   export=lambda options, layout, inputs: {"precision_policy": "bf16"})
     registry = builtin_registry()
-    modules = {p.apply.__module__ if p.apply else None for p in registry}
-    plugin_files = {m.rsplit(".", 1)[-1]: m for m in modules if m}
-    for short, module in plugin_files.items():
-        path = ROOT.parent / (module.replace(".", "/") + ".py")
-        if not path.is_file():  # a package
-            path = ROOT.parent / module.replace(".", "/") / "__init__.py"
-        others = {s for s in plugin_files if s != short}
-        for imported in _imports(path):
-            name = imported.lstrip(".").split(".")
-            assert not (set(name) & others), f"{module} imports {imported}"
+    registry.register(wrong)
+    plan = Graph().add("fsdp2").add("wrong_precision").compile(world_size=2, registry=registry)
+    with pytest.raises(TypeError, match="exported str for capability 'precision_policy', whose "
+                                        "contract is a PrecisionPolicy"):
+        plan.exported()
+    right = attrs.evolve(wrong, name="right", export=lambda options, layout, inputs: {
+        "precision_policy": PrecisionPolicy("fp16")})
+    registry.register(right)
+    plan = Graph().add("fsdp2").add("right").compile(world_size=2, registry=registry)
+    assert plan.inputs_of(plan.steps[0], {})["precision_policy"].param_dtype == "fp16"
+    assert plan.exported()["fully_shard"].cpu_offload is False  # fsdp2's ShardUnit
 
 
 def test_no_hidden_edges_and_no_plugin_names_in_the_runtime():
@@ -159,7 +166,7 @@ def test_no_hidden_edges_and_no_plugin_names_in_the_runtime():
         assert "_shardgraph_" not in path.read_text().replace("_shardgraph_plan", ""), path
     # the [distributed] front end (graphs/toml.py) maps NeMo's keys onto plugin names on purpose
     runtime = [ROOT / "graphs" / f for f in ("compiler.py", "plan.py", "runtime.py",
-                                             "train_step.py", "explain.py")]
+                                             "explain.py")]
     runtime += [ROOT / "train" / "loop.py", ROOT / "train" / "dryrun.py"]
     for path in runtime:
         text = path.read_text()

@@ -47,3 +47,21 @@ def blocks_violation(model: nn.Module, pattern: str | None, plugin: str) -> list
         hint="set the plugin's blocks option to an FQN glob such as 'model.layers.*'",
         plugin=plugin,
     )]
+
+
+def input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding (transformers' ``get_input_embeddings``), if it has one."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's LM head (transformers' ``get_output_embeddings``), if it has one."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None

@@ -1,10 +1,14 @@
-"""Typed values that travel between plugins along the edges the compiler computed.
+"""Typed values that travel between plugins along the edges the compiler computed: the
+contracts between plugins.
 
 A plugin that provides a capability may export a value for it: statically, from its options
-(``Plugin.export``: the precision policy, the strategy's sharding settings), or from its
-``apply`` (``Applied(..., values=...)``: tp's layout of the model). A plugin that consumes,
-reads or requires that capability receives the value in ``inputs[capability]``. The types live
-here, in the core, so that neither side imports the other's module.
+(``Plugin.export``: the precision policy, the strategy's shard callable), or from its ``apply``
+(``Applied(..., values=...)``: tp's layout of the model). A plugin that consumes or reads that
+capability receives the value in ``inputs[capability]`` and uses only the operations its type
+documents. ``CONTRACTS`` names the type of every capability that carries a value; the registry
+refuses a plugin that consumes or reads a capability without one, and the plan refuses a value
+of another type. The types live here, in the core, so that neither side imports the other's
+module (pluggy's hook specs play the same part for hooks).
 """
 
 from __future__ import annotations
@@ -31,11 +35,16 @@ def dtype(name: str) -> torch.dtype:
 
 @attrs.frozen
 class PrecisionPolicy:
-    """Compute and reduction dtypes (capability ``precision_policy``)."""
+    """Compute and reduction dtypes (capability ``precision_policy``); also the options of the
+    ``mixed_precision`` plugin, whose defaults these are (``FULL_PRECISION`` is no policy)."""
 
-    param_dtype: str = "fp32"
-    reduce_dtype: str = "fp32"
-    output_dtype: str = "fp32"
+    #: dtype parameters are computed in (bf16, fp16, fp32, ...)
+    param_dtype: str = "bf16"
+    #: dtype gradients are reduced in
+    reduce_dtype: str = "bf16"
+    #: dtype of the model's outputs
+    output_dtype: str = "bf16"
+    #: cast the forward inputs to param_dtype
     cast_forward_inputs: bool = True
 
     def fsdp(self, *, cast_output: bool = True):
@@ -49,13 +58,75 @@ class PrecisionPolicy:
             cast_forward_inputs=self.cast_forward_inputs)
 
 
-@attrs.frozen
-class ShardingSettings:
-    """How the running strategy shards (capability ``fully_shard``): what a unit another plugin
-    wraps itself (ep's experts) must follow."""
+#: what a strategy computes in when no plugin provides a precision policy
+FULL_PRECISION = PrecisionPolicy("fp32", "fp32", "fp32")
 
-    reshard_after_forward: bool | None = None
+
+@attrs.frozen
+class ShardUnit:
+    """Capability ``fully_shard``: how the running strategy shards a unit that another plugin
+    wraps itself (ep's experts on their own mesh), with the strategy's precision, offload and
+    resharding settings.
+
+    ``unit.shard(module, mesh, placement=None, gradient_divide_factor=None)`` makes ``module``
+    a unit of its own over ``mesh`` (a unit inside a block: its output is not cast);
+    ``placement(param) -> Shard`` picks each parameter's sharded dim; ``gradient_divide_factor``
+    replaces the mesh size as the divisor of the reduced gradients. Returns the module.
+    """
+
+    shard: Callable[..., Any] = attrs.field(eq=False)
     cpu_offload: bool = False
+
+
+@attrs.define(eq=False)
+class TPLayout:
+    """Capability ``tensor_parallel``: what tp did to a model, for the plugins that build on it.
+
+    ``matched``: module FQN -> tp style name; ``head``: the LM head's FQN (or None). The residual
+    stream between blocks is replicated over tp after tp; ``shard_residual_on_sequence()``
+    switches it to sharded along the sequence (dim 1): the styles that write into it or read from
+    it (rowwise projections, the embedding, the LM head) ask ``residual_placements()`` per call.
+    """
+
+    matched: dict[str, str]
+    head: str | None
+    _sequence_dim: int | None = None
+
+    def shard_residual_on_sequence(self, dim: int = 1) -> None:
+        self._sequence_dim = dim
+
+    @property
+    def sequence_sharded(self) -> bool:
+        return self._sequence_dim is not None
+
+    def residual_placements(self) -> tuple:
+        """The DTensor placements of the residual stream over the tp mesh."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        return (Replicate(),) if self._sequence_dim is None else (Shard(self._sequence_dim),)
+
+    def split(self) -> list[str]:
+        """The FQNs of the modules whose weights tp split (every style but ``replicate``)."""
+        return [fqn for fqn, style in self.matched.items() if style != "replicate"]
+
+
+@attrs.frozen
+class SequenceSharding:
+    """Capability ``sequence_parallel``: activations between blocks are sharded along ``dim``
+    over the tp mesh."""
+
+    dim: int = 1
+
+
+@attrs.frozen
+class Recomputation:
+    """Capability ``activation_checkpointing``: whether a checkpointed region is recomputing.
+
+    ``recomputing(module)``: None when ``module`` is not a checkpointed region; True while its
+    checkpoint recomputes it in backward; False in its first forward.
+    """
+
+    recomputing: Callable[[Any], bool | None] = attrs.field(eq=False)
 
 
 @attrs.frozen
@@ -70,7 +141,8 @@ class Applied:
 
 @runtime_checkable
 class StepRunner(Protocol):
-    """A value that runs forward and backward over micro-batches itself (pp's schedule).
+    """Capability ``pipeline_parallel``: a value that runs forward and backward over
+    micro-batches itself (pp's schedule). These two methods are all the runtime calls.
 
     ``run(inputs, labels, loss_fn) -> loss`` gets this rank's whole local batch (input ids and
     labels already shifted), calls ``loss_fn(logits, labels)`` per micro-batch where the logits
@@ -84,6 +156,18 @@ class StepRunner(Protocol):
     def parts(self) -> list[nn.Module]:
         """The modules it runs (the stages this rank holds)."""
         ...
+
+
+#: capability -> the type of the value that carries it (a plugin may declare more of its own:
+#: ``Plugin.contracts``). Capabilities not named here are flags: present or not, no value.
+CONTRACTS: dict[str, type] = {
+    "precision_policy": PrecisionPolicy,
+    "fully_shard": ShardUnit,
+    "tensor_parallel": TPLayout,
+    "sequence_parallel": SequenceSharding,
+    "pipeline_parallel": StepRunner,
+    "activation_checkpointing": Recomputation,
+}
 
 
 @attrs.frozen

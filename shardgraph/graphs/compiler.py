@@ -19,7 +19,7 @@ from __future__ import annotations
 import difflib
 import heapq
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -28,9 +28,12 @@ from ..core.errors import PlanError, PlanWarning, Violation
 from ..core.layout import Settings
 from ..core.mesh import AxisRequest, DerivedMesh, MeshRequest, derive_mesh, positive
 from ..core.options import structure_options
-from ..plugins import Kind, Plugin, Registry, default_registry
-from .graph import Entry, Graph
+from ..plugins import Kind, Plugin, Registry
+from ..plugins.builtin import default_registry
 from .plan import Plan, Step
+
+if TYPE_CHECKING:
+    from .graph import Entry, Graph
 
 #: Rule ids and the SPEC rule each implements (the table test walks this).
 RULES = {

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..core.errors import Violation
+from .compiler import compile_graph
 
 if TYPE_CHECKING:
     from ..plugins import Registry
@@ -63,8 +64,6 @@ class Graph:
         gpus_per_node: int | None = None,
         registry: Registry | None = None,
     ) -> Plan:
-        from .compiler import compile_graph
-
         return compile_graph(
             self,
             world_size=world_size if world_size is not None else self.world_size,

@@ -13,6 +13,7 @@ from ..core.errors import PlanError, Violation
 from ..core.layout import MeshLayout
 from ..core.options import converter, unstructure
 from ..core.values import Applied
+from ..plugins.builtin import default_registry
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -50,6 +51,7 @@ class Plan:
     layout: MeshLayout
     steps: tuple[Step, ...]
     registry: Registry = attrs.field(eq=False, repr=False)
+    _exported: dict[str, Any] | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -76,8 +78,6 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], registry: Registry | None = None) -> Plan:
-        from ..plugins import default_registry
-
         registry = registry if registry is not None else default_registry()
         sizes = data["sizes"]
         layout = MeshLayout(
@@ -149,8 +149,8 @@ class Plan:
         leaves it unwrapped.
 
         Each step gets, in ``inputs``, the typed value (``core.values``) of every capability it
-        consumes, reads or requires: exported from the provider's options (``export``) or by
-        the provider's ``apply`` (``Applied(values=...)``); else the provider's options.
+        consumes or reads: exported from the provider's options (``export``) or by the
+        provider's ``apply`` (``Applied(values=...)``).
         """
         from ..weights import materialize, on_meta
         from .runtime import ParallelModel
@@ -170,7 +170,7 @@ class Plan:
             names = _param_names(model) if plugin.keeps_fqns else None
             out = plugin.apply(model, step.options, ctx, self.inputs_of(step, values))
             if isinstance(out, Applied):
-                values.update(out.values)
+                values.update(self._checked(step.plugin, out.values))
                 out = out.model
             if out is None:
                 raise RuntimeError(f"plugin {step.plugin!r}: apply returned None, not the model")
@@ -185,48 +185,53 @@ class Plan:
         return ParallelModel(self, ctx, model, values)
 
     def exported(self) -> dict[str, Any]:
-        """The values the plan's plugins export from their options (``Plugin.export``)."""
+        """The values the plan's plugins export from their options (``Plugin.export``), each
+        given the exported values of what it consumes or reads (a provider before its
+        consumers)."""
+        if self._exported is not None:
+            return self._exported
+        options = {name: opts for s in self.steps for _, name, opts in s.inputs}
+        options.update({s.plugin: s.options for s in self.steps})
+        pending = {name: self.registry.get(name) for name in sorted(options)}
+        pending = {n: p for n, p in pending.items() if p.export is not None}
         out: dict[str, Any] = {}
-        seen = {s.plugin for s in self.steps} | {name for s in self.steps for _, name, _ in s.inputs}
-        for name in sorted(seen):
-            plugin = self.registry.get(name)
-            if plugin.export is not None:
-                options = next((s.options for s in self.steps if s.plugin == name), None)
-                if options is None:
-                    options = next(o for s in self.steps for _, n, o in s.inputs if n == name)
-                out.update(plugin.export(options, self.layout))
+        while pending:
+            provided = {cap for p in pending.values() for cap in p.provides}
+            ready = [n for n, p in pending.items() if not (p.consumes | p.reads) & provided]
+            for name in ready or list(pending):  # a cycle of exports: what is there so far
+                plugin = pending.pop(name)
+                wanted = plugin.consumes | plugin.reads
+                values = plugin.export(options[name], self.layout,
+                                       {c: v for c, v in out.items() if c in wanted})
+                out.update(self._checked(name, values))
+        object.__setattr__(self, "_exported", out)
         return out
 
+    def _checked(self, plugin: str, values: Mapping[str, Any]) -> dict[str, Any]:
+        """``values`` if each is of its capability's contract type, else a clear error."""
+        contracts = self.registry.contracts()
+        for cap, value in values.items():
+            kind = contracts.get(cap)
+            if kind is None or not isinstance(value, kind):
+                want = "no value (it is a flag)" if kind is None else f"a {kind.__name__}"
+                raise TypeError(f"plugin {plugin!r} exported {type(value).__name__} for "
+                                f"capability {cap!r}, whose contract is {want} "
+                                "(shardgraph.core.values.CONTRACTS)")
+        return dict(values)
+
     def inputs_of(self, step: Step, values: Mapping[str, Any]) -> dict[str, Any]:
-        """What ``step``'s hooks get as ``inputs``: capability -> value (docstring of apply)."""
+        """What ``step``'s hooks get as ``inputs``: for each capability it consumes or reads,
+        the typed value (``core.values``) a provider exported from its options or its
+        ``apply``; a capability no active plugin gave a value is absent."""
         plugin = self.registry.get(step.plugin)
         exported = self.exported()
         out: dict[str, Any] = {}
-        for cap, provider, options in step.inputs:
-            out[cap] = exported.get(cap, options)
-        for cap in plugin.consumes | plugin.reads | plugin.requires:
+        for cap in plugin.consumes | plugin.reads:
             if cap in values:
                 out[cap] = values[cap]
-            elif cap in exported and cap not in out:
+            elif cap in exported:
                 out[cap] = exported[cap]
         return out
-
-    def train_step(self, model: ParallelModel, batch: Any, loss_fn: Any) -> Any:
-        """Forward and backward of one batch, pipelined or not; the loss on every rank
-        (``graphs/train_step.py``). ``model.step`` is the whole step (loss weighting, gradient
-        norm, clipping, optimizer)."""
-        from .train_step import train_step
-
-        return train_step(model, batch, loss_fn)
-
-    def prepare_batch(self, model: ParallelModel, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """This rank's share of ``batch``: ``model.prepare_batch(batch)``."""
-        return model.prepare_batch(batch)
-
-    def gradient_sync(self, model: ParallelModel, enabled: bool) -> None:
-        """Turn gradient reduction on (last micro-batch) or off (the others) where a step
-        supports deferring it: ``model.gradient_sync(enabled)``."""
-        model.gradient_sync(enabled)
 
 
 def _param_names(model: nn.Module) -> list[str]:

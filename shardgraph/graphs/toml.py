@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from ..core.errors import PlanError, Violation, did_you_mean
 from ..core.options import option_names
+from ..plugins import Kind
+from ..plugins.builtin import default_registry
 from .graph import Entry, Graph
 
 if TYPE_CHECKING:
@@ -151,8 +153,6 @@ def _strategy(name: str, registry: Registry | None, key: str, bad: list[Violatio
     """The plugin ``strategy = name`` names, or None with a violation that lists only the
     strategies (a plugin that fails to load is left to the compiler, which names its
     distribution)."""
-    from ..plugins import Kind, default_registry
-
     registry = registry if registry is not None else default_registry()
     if name not in registry:
         registry.load_entry_points(only={name})

@@ -24,7 +24,8 @@ from ..core.errors import PlanError, Violation
 from ..core.values import DTYPE_NAMES, dtype
 from ..graphs.graph import Entry, Graph
 from ..graphs.toml import graph_from_dict, load_toml
-from ..plugins import Kind, default_registry
+from ..plugins import Kind
+from ..plugins.builtin import default_registry
 
 #: keyword -> its key in the [distributed] form
 KEYWORDS = {

@@ -19,6 +19,7 @@ import attrs
 
 from ..core.blocks import blocks_violation, find_blocks
 from ..core.errors import Violation
+from ..core.values import Recomputation
 from ..plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -107,6 +108,21 @@ def _apply(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshC
     return model
 
 
+def _recomputing(module: nn.Module) -> bool | None:
+    """None: ``module`` is not checkpointed here; True: its checkpoint is recomputing it."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.contract import _get_registry
+
+    if "checkpoint" not in (_get_registry(module) or {}):
+        return None
+    # composable checkpoint turns its saved-tensor hooks off exactly while it recomputes
+    return not checkpoint.state(module).enable_hook
+
+
+def _export(options: ActivationCheckpointingOptions, layout, inputs: dict[str, Any]):
+    return {"activation_checkpointing": Recomputation(_recomputing)}
+
+
 PLUGIN = Plugin(
     name="activation_checkpointing",
     kind=Kind.POLICY,
@@ -116,6 +132,7 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
+    export=_export,
     doc="recompute each transformer block (or each named scope's modules) in backward "
         "(composable checkpoint)",
 )

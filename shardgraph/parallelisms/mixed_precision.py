@@ -9,8 +9,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from ..core.errors import Violation, choices_hint, did_you_mean
 from ..core.values import DTYPE_NAMES, PrecisionPolicy, StepRunner, dtype
 from ..plugins import Kind, Plugin
@@ -24,23 +22,11 @@ if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is r
 DTYPES = DTYPE_NAMES
 
 
-@attrs.frozen
-class MixedPrecisionOptions:
-    #: dtype parameters are computed in (bf16, fp16, fp32, ...)
-    param_dtype: str = "bf16"
-    #: dtype gradients are reduced in
-    reduce_dtype: str = "bf16"
-    #: dtype of the model's outputs
-    output_dtype: str = "bf16"
-    #: cast the forward inputs to param_dtype
-    cast_forward_inputs: bool = True
+def _export(options: PrecisionPolicy, layout, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"precision_policy": options}
 
 
-def _export(options: MixedPrecisionOptions, layout) -> dict[str, Any]:
-    return {"precision_policy": PrecisionPolicy(**attrs.asdict(options))}
-
-
-def _check(options: MixedPrecisionOptions, layout, settings) -> list[Violation]:
+def _check(options: PrecisionPolicy, layout, settings) -> list[Violation]:
     return [
         Violation(
             "option", (field,),
@@ -53,7 +39,7 @@ def _check(options: MixedPrecisionOptions, layout, settings) -> list[Violation]:
     ]
 
 
-def _apply(model: nn.Module, options: MixedPrecisionOptions, ctx: MeshContext, inputs: dict[str, Any]):
+def _apply(model: nn.Module, options: PrecisionPolicy, ctx: MeshContext, inputs: dict[str, Any]):
     compute, output = dtype(options.param_dtype), dtype(options.output_dtype)
     # A pipeline's stages are called one by one, not the model: each computes under autocast.
     pipeline = inputs.get("pipeline_parallel")
@@ -91,7 +77,7 @@ def _cast_floats(value, to: torch.dtype):
 PLUGIN = Plugin(
     name="mixed_precision",
     kind=Kind.POLICY,
-    options=MixedPrecisionOptions,
+    options=PrecisionPolicy,
     provides={"precision_policy"},
     reads={"pipeline_parallel"},  # its stages, to autocast each
     before={"data_parallel"},

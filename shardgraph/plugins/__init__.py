@@ -1,4 +1,8 @@
-"""The plugin protocol, the registry and entry-point discovery."""
+"""The plugin protocol, the registry and entry-point discovery.
+
+The built-in plugins and the default registry are in ``shardgraph.plugins.builtin``, which this
+package does not import: plugin modules import the protocol from here.
+"""
 
 from ._registry import (
     BUILTIN,
@@ -7,13 +11,11 @@ from ._registry import (
     PluginValidationError,
     Registered,
     Registry,
-    builtin_registry,
-    default_registry,
 )
 from ._spec import Apply, Check, GradSync, Kind, ModelCheck, NoOptions, Plugin, PrepareBatch
 
 __all__ = [
     "BUILTIN", "ENTRY_POINT_GROUP", "Apply", "Check", "GradSync", "Kind", "LoadFailure",
-    "PluginValidationError",     "ModelCheck", "NoOptions", "Plugin", "PluginValidationError", "PrepareBatch", "Registered", "Registry", "builtin_registry",
-    "default_registry",
+    "ModelCheck", "NoOptions", "Plugin", "PluginValidationError", "PrepareBatch", "Registered",
+    "Registry",
 ]

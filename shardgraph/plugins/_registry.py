@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import attrs
 
 from ..core.errors import PlanError, Violation, did_you_mean
+from ..core.values import CONTRACTS
 from ._spec import Plugin
 
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ class Registry:
     def register(self, plugin: Plugin, *, override: bool = False, source: str = "code") -> Plugin:
         if not isinstance(plugin, Plugin):
             raise TypeError(f"expected a shardgraph Plugin, got {type(plugin).__name__}")
-        if problems := plugin.problems():
+        problems = plugin.problems() + self._contract_problems(plugin)
+        if problems:
             raise PluginValidationError(plugin.name, source, problems)
         held = self._records.get(plugin.name)
         if held is not None and not override:
@@ -67,6 +68,27 @@ class Registry:
             )
         self._records[plugin.name] = Registered(plugin, source)
         return plugin
+
+    def contracts(self) -> dict[str, type]:
+        """capability -> the type of its value: the core's and the registered plugins' own."""
+        out = dict(CONTRACTS)
+        for record in self._records.values():
+            out.update(record.plugin.contracts)
+        return out
+
+    def _contract_problems(self, plugin: Plugin) -> list[str]:
+        known = {**self.contracts(), **plugin.contracts}
+        out = []
+        for cap in sorted(plugin.consumes | plugin.reads):
+            if cap not in known:
+                out.append(f"consumes or reads {cap!r}, which carries no declared contract "
+                           f"(contracts: {', '.join(sorted(known))}; a provider declares a new "
+                           "one with Plugin(contracts={...}))")
+        for cap, kind in plugin.contracts.items():
+            if cap in CONTRACTS and CONTRACTS[cap] is not kind:
+                out.append(f"redeclares the contract of {cap!r} as {kind.__name__} "
+                           f"(it is {CONTRACTS[cap].__name__})")
+        return out
 
     def __contains__(self, name: str) -> bool:
         return name in self._records
@@ -147,19 +169,3 @@ def _entry_points() -> tuple[md.EntryPoint, ...]:
     import importlib.metadata as md  # here: only a plugin not yet registered needs it (0.1 s)
 
     return tuple(md.entry_points(group=ENTRY_POINT_GROUP))
-
-
-@functools.cache
-def default_registry() -> Registry:
-    """The process's registry with the eleven built-ins (entry points load on demand)."""
-    return builtin_registry()
-
-
-def builtin_registry() -> Registry:
-    """A fresh registry holding only the built-ins; tests take one of these."""
-    from ._builtin import BUILTINS
-
-    registry = Registry()
-    for plugin in BUILTINS():
-        registry.register(plugin, source=BUILTIN)
-    return registry

@@ -43,9 +43,11 @@ GradSync = Callable[["nn.Module", Any, bool], None]
 #: ``prepare_batch(batch, options, ctx, inputs) -> batch``: this rank's share of a batch of
 #: model keyword arguments (cp keeps its part of every sequence, labels already shifted).
 PrepareBatch = Callable[[dict[str, Any], Any, "MeshContext", dict[str, Any]], dict[str, Any]]
-#: ``export(options, layout) -> {capability: value}``: typed values (``core.values``) for the
-#: capabilities this plugin provides, known before any model is touched.
-Export = Callable[[Any, "MeshLayout"], dict[str, Any]]
+#: ``export(options, layout, inputs) -> {capability: value}``: typed values (``core.values``)
+#: for the capabilities this plugin provides, known before any model is touched; ``inputs``
+#: holds the exported values of what it consumes or reads (fsdp2's shard callable carries the
+#: precision policy it consumes).
+Export = Callable[[Any, "MeshLayout", dict[str, Any]], dict[str, Any]]
 #: ``loss_context(options) -> context manager``: entered around every forward and backward
 #: (tp's ``loss_parallel`` when the logits stay sharded over the vocabulary).
 LossContext = Callable[[Any], Any]
@@ -63,7 +65,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "apply": ("model", "options", "ctx", "inputs"),
     "grad_sync": ("model", "options", "enabled"),
     "prepare_batch": ("batch", "options", "ctx", "inputs"),
-    "export": ("options", "layout"),
+    "export": ("options", "layout", "inputs"),
     "loss_context": ("options",),
     "collectives": ("model", "options", "ctx", "inputs", "batch"),
 }
@@ -111,6 +113,9 @@ class Plugin:
     A ``consumes``d capability's provider runs no step of its own
     while the consumer runs: its options reach the consumer's ``apply`` instead.
     ``within_node``: the axis must divide ``gpus_per_node``.
+    ``contracts``: capability -> type of the value it carries, for capabilities this plugin
+    provides that ``core.values.CONTRACTS`` does not know (a third party's own contract). What a
+    plugin consumes or reads must be a contract: a flag carries no value to read.
     ``apply=None``: the plugin only shapes the mesh (hsdp) and has no step.
     """
 
@@ -128,6 +133,7 @@ class Plugin:
     consumes: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
     #: like ``consumes``, but the provider keeps its own step: only its options are read
     reads: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+    contracts: dict[str, type] = attrs.field(factory=dict, eq=False)
     check: Check | None = attrs.field(default=None, eq=False)
     model_check: ModelCheck | None = attrs.field(default=None, eq=False)
     apply: Apply | None = attrs.field(default=None, eq=False)
@@ -154,6 +160,9 @@ class Plugin:
         overlap = (self.before & self.after) | (self.provides & self.conflicts)
         if overlap:
             out.append(f"declares {sorted(overlap)} on both sides of an ordering or conflict")
+        undeclared = sorted(set(self.contracts) - self.provides)
+        if undeclared:
+            out.append(f"declares contracts for {undeclared}, which it does not provide")
         for attr in HOOKS:
             value = getattr(self, attr)
             problem = None if value is None else hook_problem(attr, value)

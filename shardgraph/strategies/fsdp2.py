@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ..core.axes import Axis
 from ..core.blocks import blocks_violation, find_blocks
-from ..core.values import BatchShape, PrecisionPolicy, ShardingSettings, StepRunner, collective
+from ..core.values import (
+    FULL_PRECISION,
+    BatchShape,
+    PrecisionPolicy,
+    ShardUnit,
+    StepRunner,
+    collective,
+)
 from ..plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -34,7 +42,11 @@ def _model_check(model: nn.Module, options: FSDP2Options, ctx: MeshContext):
     return blocks_violation(model, options.blocks, "fsdp2")
 
 
-def _apply(model: nn.Module, options: FSDP2Options, ctx: MeshContext, inputs: dict[str, Any]):
+def _shard(options: FSDP2Options, precision: PrecisionPolicy, module: nn.Module, mesh, *,
+           reshard_after_forward: bool | None = None, placement=None,
+           gradient_divide_factor: float | None = None, root: bool = False) -> nn.Module:
+    """``fully_shard`` with this plugin's offload and precision settings: the blocks, the roots
+    and, through the exported ``ShardUnit``, another plugin's units (ep's experts)."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -42,27 +54,40 @@ def _apply(model: nn.Module, options: FSDP2Options, ctx: MeshContext, inputs: di
     if options.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU-only machine it fails.
         offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
-    precision = inputs.get("precision_policy") or PrecisionPolicy()
-    root_policy = precision.fsdp()
-    # Only the root casts its output: a block returning fp32 into the next bf16 unit (the
-    # final norm and LM head live in the root) would mix dtypes inside the forward.
-    block_policy = precision.fsdp(cast_output=False)
+    # Only a root casts its output: a block returning fp32 into the next bf16 unit (the final
+    # norm and LM head live in the root) would mix dtypes inside the forward.
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                offload_policy=offload, mp_policy=precision.fsdp(cast_output=root),
+                shard_placement_fn=placement)
+    if gradient_divide_factor is not None:
+        module.set_gradient_divide_factor(gradient_divide_factor)
+        if mesh.size() > 1:
+            # Sum, then divide: gloo has no PREMUL_SUM. Not on a one-rank mesh: torch 2.13
+            # would divide twice there.
+            module.set_force_sum_reduction_for_comms(True)
+    return module
+
+
+def _apply(model: nn.Module, options: FSDP2Options, ctx: MeshContext, inputs: dict[str, Any]):
+    precision = inputs.get("precision_policy", FULL_PRECISION)
+    shard = functools.partial(_shard, options, precision)
     reshard = options.reshard_after_forward
     if reshard is None:
         reshard = ctx.layout.pp == 1
-    common = dict(mesh=ctx.fsdp_mesh, reshard_after_forward=reshard, offload_policy=offload)
     for _, block in find_blocks(model, options.blocks):
-        fully_shard(block, mp_policy=block_policy, **common)
+        shard(block, ctx.fsdp_mesh, reshard_after_forward=reshard)
     # A pipeline's stages run one by one: each is a root of its own.
     pipeline = inputs.get("pipeline_parallel")
     roots = pipeline.parts() if isinstance(pipeline, StepRunner) else [model]
     for root in roots:
-        fully_shard(root, mp_policy=root_policy, **common)
+        shard(root, ctx.fsdp_mesh, reshard_after_forward=reshard, root=True)
     return model
 
 
-def _export(options: FSDP2Options, layout) -> dict[str, Any]:
-    return {"fully_shard": ShardingSettings(options.reshard_after_forward, options.cpu_offload)}
+def _export(options: FSDP2Options, layout, inputs: dict[str, Any]) -> dict[str, Any]:
+    precision = inputs.get("precision_policy", FULL_PRECISION)
+    return {"fully_shard": ShardUnit(functools.partial(_shard, options, precision),
+                                     cpu_offload=options.cpu_offload)}
 
 
 def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,

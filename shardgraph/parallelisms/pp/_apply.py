@@ -33,5 +33,6 @@ def apply_pipeline(model: nn.Module, options: Any, sched: Any, ctx: Any,
 def _not_called_whole(module: nn.Module, args) -> None:
     if not in_stage():
         raise TypeError("a pipelined model runs its stages on several ranks and is not called "
-                        "like a module: use parallel.step(batch, optimizer) or "
-                        "plan.train_step(parallel, batch, loss_fn)")
+                        "like a module: use parallel.step(batch, optimizer), or "
+                        "parallel.forward_backward(input_ids, shifted_labels, loss_fn) for "
+                        "forward and backward alone")

@@ -15,6 +15,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from ...core.errors import PlanError
+from ._split import placement, tag_stage
 
 
 class PipelineStageError(RuntimeError):
@@ -26,22 +27,13 @@ class PipelineStageError(RuntimeError):
         self.rank = rank
 
 
-def tag_stage(exc: BaseException, stage: int) -> None:
-    """Remember the innermost stage an exception came from (for the message on every rank)."""
-    if getattr(exc, "pp_stage", None) is None:
-        try:
-            exc.pp_stage = stage
-        except AttributeError:  # some builtin exceptions take no attributes
-            pass
-
-
 class Pipeline:
     """This rank's stages, their torch ``PipelineStage``s and the schedules: a ``StepRunner``.
 
     Not a module: the model (pruned to this rank's stages, its FQNs unchanged) is the
     ``ParallelModel``'s ``module``; the stages are its ``parts``, each a root of its own for a
-    data-parallel wrap. ``run`` (``ParallelModel.step``) and ``step`` (``Plan.train_step``)
-    run forward and backward over all microbatches of a batch.
+    data-parallel wrap. ``run`` (called by ``ParallelModel.step``) runs forward and backward
+    over all microbatches of a batch.
     """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], n_stages: int,
@@ -105,29 +97,23 @@ class Pipeline:
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         """The ``StepRunner`` of ``ParallelModel.step``: forward and backward of every
-        microbatch of ``inputs``; ``loss_fn`` (already normalised by the caller: no scaling by
-        the schedule) is summed; the sum is the same on every rank of the pipeline."""
-        return self._run(inputs, labels, loss_fn, scale_grads=False, mean=False)
+        microbatch of ``inputs``; ``loss_fn`` (already normalised by the caller) is summed; the
+        sum is the same on every rank of the pipeline.
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
-        """Forward and backward of all microbatches of ``inputs``; returns the mean microbatch
-        loss of this local batch, the same on every rank of the pipeline."""
-        mbs = self.options.microbatch_size
-        bad = self._rules(inputs.shape[0])
-        if bad:
-            raise PlanError(bad)
-        n = inputs.shape[0] // mbs
-        scale = self.options.scale_grads_in_schedule
-        if scale:
-            wrapped = loss_fn
-        else:
-            # The schedule leaves gradients summed over microbatches: scale the loss instead
-            # (torchtitan's choice), so gradients are those of the mean loss.
-            def wrapped(out, tgt):
-                return loss_fn(out, tgt) / n
-        return self._run(inputs, targets, wrapped, scale_grads=scale, mean=scale)
+        With ``scale_grads_in_schedule`` torch divides the gradients by the number of
+        microbatches after backward; each microbatch's loss is multiplied by it first, so the
+        gradients (and the returned sum) are the same either way.
+        """
+        n = inputs.shape[0] // self.options.microbatch_size
+        if not self.options.scale_grads_in_schedule:
+            return self._run(inputs, labels, loss_fn, scale_grads=False)
 
-    def _run(self, inputs, targets, loss_fn, *, scale_grads: bool, mean: bool) -> torch.Tensor:
+        def scaled(output, target):
+            return loss_fn(output, target) * n
+
+        return self._run(inputs, labels, scaled, scale_grads=True) / n
+
+    def _run(self, inputs, targets, loss_fn, *, scale_grads: bool) -> torch.Tensor:
         mbs = self.options.microbatch_size
         bad = self._rules(inputs.shape[0])
         if bad:
@@ -145,15 +131,12 @@ class Pipeline:
                 watch.failed(exc)
         loss = torch.zeros((), dtype=torch.float32)
         if losses is not None:
-            total = torch.stack([v.detach().float() for v in losses]).sum()
-            loss = total / n if mean else total
+            loss = torch.stack([v.detach().float() for v in losses]).sum()
         src = self._last_stage_rank()
         dist.broadcast(loss, group=self.pp_group, group_src=src)
         return loss
 
     def _last_stage_rank(self) -> int:
-        from ._split import placement
-
         return placement(self.n_stages, self._ctx.pp_size, self.schedule_spec.v_shape)[-1]
 
 

@@ -283,10 +283,17 @@ class Stage(nn.Module):
                 h = head(h)
             return h
         except Exception as exc:
-            from ._runner import tag_stage
-
             tag_stage(exc, self.spec.index)
             raise
+
+
+def tag_stage(exc: BaseException, stage: int) -> None:
+    """Remember the innermost stage an exception came from (for the message on every rank)."""
+    if getattr(exc, "pp_stage", None) is None:
+        try:
+            exc.pp_stage = stage
+        except AttributeError:  # some builtin exceptions take no attributes
+            pass
 
 
 _STAGE = threading.local()

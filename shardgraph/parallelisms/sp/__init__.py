@@ -6,10 +6,10 @@ attention and MLP gathers its input (all-gather) and its last rowwise projection
 its output, the embedding reduce-scatters (or slices) its output and the LM head gathers its
 input. Activations outside attention and MLP take ``1/tp`` of the memory.
 
-The step runs right after ``tp``: it switches the residual layout tp's rowwise projections,
-embedding and LM head read at every call (``_tp_styles.Residual``) and adds the styles around
-them. Two things the model does from the
-*local* sequence length are fixed here: transformers builds rotary positions from the length of
+The step runs right after ``tp``: through tp's exported layout (``core.values.TPLayout``) it
+switches the residual stream that tp's rowwise projections, embedding and LM head read at every
+call to sequence-sharded, and adds its own styles (``_styles``) around them. Two things the
+model does from the *local* sequence length are fixed here: transformers builds rotary positions from the length of
 the (now sharded) embeddings, so the decoder is given ``position_ids = arange(S)`` when the
 caller gives none; and the causal mask — so only attentions that take no materialised mask
 (SDPA's ``is_causal``, flash) can run; eager attention is refused.
@@ -21,19 +21,23 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from ..core.axes import Axis
-from ..core.blocks import blocks_violation, find_blocks
-from ..core.errors import Violation
-from ..core.lazy import lazy_module
-from ..plugins import Kind, NoOptions, Plugin
+from ...core.axes import Axis
+from ...core.blocks import blocks_violation, find_blocks, input_embeddings
+from ...core.errors import Violation
+from ...core.lazy import lazy_module
+from ...core.values import SequenceSharding, TPLayout
+from ...plugins import Kind, NoOptions, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from ..core.context import MeshContext
+    from ...core.context import MeshContext
 
-styles = lazy_module("shardgraph.parallelisms._tp_styles")
+styles = lazy_module("shardgraph.parallelisms.sp._styles")
+
+#: what sp exports (capability ``sequence_parallel``): the residual stream's sharded dim
+SEQUENCE = SequenceSharding(dim=1)
 
 #: attention implementations that derive causality from the query/key lengths, not a mask
 SEQUENCE_SHARDABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -84,27 +88,26 @@ def _model_check(model: nn.Module, options: NoOptions, ctx: MeshContext) -> list
 
 
 def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[str, Any]):
-    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tp = inputs.get("tensor_parallel")
+    tp: TPLayout | None = inputs.get("tensor_parallel")
     if tp is None:
         raise RuntimeError("sp runs after the tp step, which exported no layout")
-    tp.residual.placements = (Shard(1),)
+    tp.shard_residual_on_sequence(SEQUENCE.dim)
     modules = dict(model.named_modules())
     mesh = ctx.mesh(Axis.TP)
-    for fqn, style in _styles(model, tp).items():
+    for fqn, style in _sequence_styles(model, tp).items():
         parallelize_module(modules[fqn], mesh, style)
     _decoder(model).register_forward_pre_hook(
         functools.partial(_full_positions, ctx.tp_size), with_kwargs=True)
     return model
 
 
-def _styles(model: nn.Module, tp) -> dict[str, ParallelStyle]:
+def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]:
     """What keeps the residual stream sequence-sharded around the modules tp sharded."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    planned = [fqn for fqn, style in tp.matched.items() if style != "replicate"]
+    planned = tp.split()
     out: dict[str, ParallelStyle] = {}
     for fqn, block in find_blocks(model):
         for name, child in block.named_children():
@@ -124,12 +127,16 @@ def _styles(model: nn.Module, tp) -> dict[str, ParallelStyle]:
         path = f"{names[decoder]}.{name}".lstrip(".")
         if is_norm(child) and path not in tp.matched:
             out[path] = SequenceParallel(use_local_output=True)
-    embed = styles.input_embeddings(model)
+    embed = input_embeddings(model)
     if embed is not None and names[embed] not in planned:
         out[names[embed]] = styles.ScatterSequence()
     if tp.head is not None and tp.head not in planned:
         out[tp.head] = styles.GatherSequence()
     return out
+
+
+def _export(options: NoOptions, layout, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"sequence_parallel": SEQUENCE}
 
 
 def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
@@ -162,9 +169,11 @@ PLUGIN = Plugin(
     options=NoOptions,
     provides={"sequence_parallel", "model_parallel"},
     requires={"tensor_parallel"},
+    reads={"tensor_parallel"},  # tp's layout: its residual stream switches to the sequence dim
     after={"tensor_parallel"},
     before={"context_parallel", "activation_checkpointing", "data_parallel"},
     model_check=_model_check,
     apply=_apply,
+    export=_export,
     doc="sequence parallelism: norms SequenceParallel, activations re-laid-out around attention/MLP",
 )

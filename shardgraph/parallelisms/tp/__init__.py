@@ -3,7 +3,7 @@
 The plan is the model's own (transformers: ``config.base_model_tp_plan`` under the decoder's
 attribute, the class's ``_tp_plan`` for the LM head, and the input embedding vocabulary-parallel)
 or the user's ``plan`` (FQN glob -> style name; in TOML ``[plugins.tp.plan]``). Style names are
-translated to torch ``ParallelStyle``s in ``_tp_styles``.
+translated to torch ``ParallelStyle``s in ``_styles``.
 
 After apply the model is called as before: ``model(input_ids=..., labels=...).loss`` is the
 unparallelised loss, because the LM head's logits are gathered. ``loss_parallel = true`` keeps
@@ -12,7 +12,8 @@ logits on every rank; the training loop then runs the forward *and* ``backward()
 ``torch.distributed.tensor.parallel.loss_parallel()``, and the loss is a replicated DTensor.
 
 The residual stream between blocks is replicated here; the ``sp`` step that may follow shards it
-along the sequence through the layout this step exports (``inputs["tensor_parallel"]``).
+along the sequence through the layout this step exports (``core.values.TPLayout``, capability
+``tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..core.axes import Axis
-from ..core.errors import Violation, choices_hint, did_you_mean
-from ..core.lazy import lazy_module
-from ..core.values import Applied, BatchShape, collective
-from ..plugins import Kind, Plugin
+from ...core.axes import Axis
+from ...core.errors import Violation, choices_hint, did_you_mean
+from ...core.lazy import lazy_module
+from ...core.blocks import output_embeddings
+from ...core.values import Applied, BatchShape, TPLayout, collective
+from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
 
-    from ..core.context import MeshContext
+    from ...core.context import MeshContext
 
-styles = lazy_module("shardgraph.parallelisms._tp_styles")
+styles = lazy_module("shardgraph.parallelisms.tp._styles")
 
 
 @attrs.frozen
@@ -115,7 +117,7 @@ def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
     if any(_is_attention(fqn) for fqn in matched):
         bad += _head_counts(config, tp)
     bad += _tied(model, matched)
-    head = styles.output_embeddings(model)
+    head = output_embeddings(model)
     head_fqn = next((n for n, m in modules.items() if m is head and n), None) if head else None
     return _Resolved(matched, bad, head_fqn)
 
@@ -217,16 +219,16 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
     resolved = _resolve(model, options, ctx.tp_size)
     modules = dict(model.named_modules())
     tied = _tied_groups(model)
-    residual = styles.Residual()
+    # sp (a step of its own, after this one) re-lays the residual stream out along the
+    # sequence through this value; the styles below read it at every call.
+    layout = TPLayout(resolved.matched, resolved.head)
     tp_mesh = ctx.mesh(Axis.TP)
     for fqn, style in resolved.matched.items():
-        built = styles.torch_style(style, modules[fqn], residual=residual,
+        built = styles.torch_style(style, modules[fqn], layout=layout,
                                    head=fqn == resolved.head, loss_parallel=options.loss_parallel)
         if built is not None:
             parallelize_module(modules[fqn], tp_mesh, built)
     _retie(model, tied)
-    # sp (a step of its own, after this one) re-lays the residual stream out along the sequence.
-    layout = styles.TPLayout(resolved.matched, resolved.head, residual)
     return Applied(model, values={"tensor_parallel": layout})
 
 

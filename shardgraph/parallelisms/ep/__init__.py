@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..core.axes import Axis
-from ..core.errors import Violation
-from ..core.values import BatchShape, PrecisionPolicy, ShardingSettings, collective
-from ..plugins import Kind, Plugin
+from ...core.axes import Axis
+from ...core.errors import Violation
+from ...core.values import BatchShape, Recomputation, ShardUnit, collective
+from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
 
-    from ..core.context import MeshContext
+    from ...core.context import MeshContext
 
 
 @attrs.frozen
@@ -35,7 +35,7 @@ class EPOptions:
     #: reshard expert parameters after forward (their fully_shard unit over ep_shard)
     reshard_after_forward: bool = False
     #: activation checkpointing keeps the router's outputs instead of recomputing them
-    #: (no effect without the activation_checkpointing plugin)
+    #: (no effect without a plugin providing activation_checkpointing)
     ignore_router_for_ac: bool = False
     #: the outer model (embeddings, final norm, head) is sharded as the strategy's root unit;
     #: only true is supported (fsdp2 always wraps the root), false is refused at compile time
@@ -67,7 +67,7 @@ def _expert_placement(experts: nn.Module, ep_shard: int):
 
 
 def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list[Violation]:
-    from ._ep_layers import layout_problem, moe_layers
+    from ._layers import layout_problem, moe_layers
 
     layers = moe_layers(model)
     if not layers:
@@ -102,42 +102,32 @@ def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list
 
 
 def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any]):
-    import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from ._dispatch import shard_experts
+    from ._layers import moe_layers
+    from ._router import keep_router_outputs
 
-    from ._ep_dispatch import shard_experts
-    from ._ep_layers import moe_layers
-    from ._ep_router import keep_router_outputs
-
-    # The experts are a unit inside a block: like the block's, their output is not cast.
-    policy = (inputs.get("precision_policy") or PrecisionPolicy()).fsdp(cast_output=False)
+    unit: ShardUnit = inputs["fully_shard"]  # required: the compiler made sure of a provider
+    recompute: Recomputation | None = inputs.get("activation_checkpointing")
     ep_mesh, ep_shard_mesh = ctx.mesh(Axis.EP), ctx.mesh(Axis.EP_SHARD)
-    offload = OffloadPolicy()
-    if (inputs.get("fully_shard") or ShardingSettings()).cpu_offload:
-        offload = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     for layer in moe_layers(model):
         shard_experts(layer.experts, ep_mesh)
-        # The blocks' fully_shard must not take the expert DTensors (they live on the MoE mesh):
-        # the experts become their own unit first, and the blocks' units leave them out.
-        fully_shard(layer.experts, mesh=ep_shard_mesh, mp_policy=policy, offload_policy=offload,
-                    reshard_after_forward=options.reshard_after_forward,
-                    shard_placement_fn=_expert_placement(layer.experts, ep_shard_mesh.size()))
-        # An expert's gradient already sums the tokens of its whole ep group (the all-to-all's
-        # backward); the reduction over ep_shard completes the sum over the dp * cp ranks, and
-        # dividing by dp * cp gives the mean that the dense parameters get.
-        layer.experts.set_gradient_divide_factor(ctx.layout.ep * ctx.layout.ep_shard)
-        if ctx.layout.ep_shard > 1:
-            # Sum, then divide: gloo has no PREMUL_SUM. Not on a one-rank ep_shard: torch 2.13
-            # would divide twice there.
-            layer.experts.set_force_sum_reduction_for_comms(True)
-        if options.ignore_router_for_ac:
-            keep_router_outputs(layer.router, layer.ancestors)
+        # The blocks' units must not take the expert DTensors (they live on the MoE mesh): the
+        # experts become a unit of the strategy's own first, and the blocks' units leave them
+        # out. An expert's gradient already sums the tokens of its whole ep group (the
+        # all-to-all's backward); the reduction over ep_shard completes the sum over the
+        # dp * cp ranks, and dividing by dp * cp gives the mean the dense parameters get.
+        unit.shard(layer.experts, ep_shard_mesh,
+                   reshard_after_forward=options.reshard_after_forward,
+                   placement=_expert_placement(layer.experts, ep_shard_mesh.size()),
+                   gradient_divide_factor=ctx.layout.ep * ctx.layout.ep_shard)
+        if options.ignore_router_for_ac and recompute is not None:
+            keep_router_outputs(layer.router, layer.ancestors, recompute)
     return model
 
 
 def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
-    from ._ep_layers import moe_layers
+    from ._layers import moe_layers
 
     top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
     n = 4 * len(moe_layers(model)) * batch.micro_batches
@@ -151,12 +141,10 @@ PLUGIN = Plugin(
     options=EPOptions,
     axis=Axis.EP,
     provides={"expert_parallel", "model_parallel"},
-    # The experts get their own fully_shard unit: the strategy must be fully_shard based.
+    # The experts get a unit of their own, sharded by the strategy's exported callable (with
+    # its precision and offload settings): the strategy must provide one.
     requires={"fully_shard"},
-    # The experts' unit computes in the precision the blocks' units do, and is offloaded when
-    # the strategy offloads.
-    consumes={"precision_policy"},
-    reads={"fully_shard"},
+    reads={"fully_shard", "activation_checkpointing"},
     # The MoE mesh (pp, ep_shard, ep) covers pp * dp * cp ranks: it has no room for tp.
     conflicts={"tensor_parallel"},
     before={"activation_checkpointing", "data_parallel"},

@@ -23,6 +23,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ...core.blocks import input_embeddings
+from ...core.values import TPLayout
+
 LINEAR = (nn.Linear,)
 EMBEDDING = (nn.Embedding,)
 
@@ -119,61 +122,28 @@ def model_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     return plan, origin
 
 
-def input_embeddings(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        return get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        return None
-
-
-def output_embeddings(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        return get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        return None
-
-
-@attrs.define
-class Residual:
-    """How the residual stream between blocks is laid out over tp: replicated after tp, sharded
-    along the sequence once sp switches it (``placements = (Shard(1),)``). The styles that write
-    into it or read from it (rowwise projections, the embedding, the LM head) read it per call."""
-
-    placements: tuple = (Replicate(),)
-
-
-@attrs.frozen
-class TPLayout:
-    """What tp did to a model, for the plugins that build on it (sp)."""
-
-    matched: dict[str, str]  # module FQN -> style name
-    head: str | None
-    residual: Residual
-
-
 def torch_style(
-    name: str, module: nn.Module, *, residual: Residual, head: bool, loss_parallel: bool
+    name: str, module: nn.Module, *, layout: TPLayout, head: bool, loss_parallel: bool
 ) -> ParallelStyle | None:
     """The torch ``ParallelStyle`` for style ``name`` on ``module``.
 
     The LM head's logits are gathered (replicated) unless ``loss_parallel`` keeps them
-    vocabulary-sharded (a DTensor for ``loss_parallel()``).
+    vocabulary-sharded (a DTensor for ``loss_parallel()``). The styles on the residual stream
+    read its placements from ``layout`` at every call (sp switches them after this step).
     """
     if head and name in HEAD_STYLES:
-        return ResidualHead(residual, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        return ResidualHead(layout, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                             use_local_output=not loss_parallel)
     if name == "colwise":
         return ColwiseParallel()
     if name in ("colwise_rep", "colwise_gather_output"):
         return ColwiseParallel(output_layouts=Replicate())
     if name == "embedding_rowwise" or (name == "rowwise" and isinstance(module, nn.Embedding)):
-        return ResidualRowwise(residual, input_layouts=Replicate())
+        return ResidualRowwise(layout, input_layouts=Replicate())
     if name == "rowwise":
-        return ResidualRowwise(residual)
+        return ResidualRowwise(layout)
     if name == "rowwise_rep":
-        return ResidualRowwise(residual, input_layouts=Replicate())
+        return ResidualRowwise(layout, input_layouts=Replicate())
     if name == "packed_colwise":
         return PackedColwiseParallel()
     if name == "sequence_parallel":
@@ -189,25 +159,25 @@ class ResidualRowwise(RowwiseParallel):
     """Rowwise whose output goes to the residual stream: all-reduced, or reduce-scattered along
     the sequence under sp."""
 
-    def __init__(self, residual: Residual, **kwargs):
+    def __init__(self, layout: TPLayout, **kwargs):
         super().__init__(**kwargs)
-        self.residual = residual
+        self.layout = layout
 
     def _prepare_output_fn(self, _layouts, use_local_output, mod, outputs, device_mesh):
         return RowwiseParallel._prepare_output_fn(
-            self.residual.placements, use_local_output, mod, outputs, device_mesh)
+            self.layout.residual_placements(), use_local_output, mod, outputs, device_mesh)
 
 
 class ResidualHead(ColwiseParallel):
     """The LM head: colwise over the vocabulary, its input taken from the residual stream."""
 
-    def __init__(self, residual: Residual, **kwargs):
+    def __init__(self, layout: TPLayout, **kwargs):
         super().__init__(**kwargs)
-        self.residual = residual
+        self.layout = layout
 
     def _prepare_input_fn(self, _layouts, desired, mod, inputs, device_mesh):
         return ColwiseParallel._prepare_input_fn(
-            self.residual.placements, desired, mod, inputs, device_mesh)
+            self.layout.residual_placements(), desired, mod, inputs, device_mesh)
 
 
 class PackedColwiseParallel(ColwiseParallel):
@@ -265,52 +235,3 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
         module.register_forward_pre_hook(to_dtensor)
         module.register_forward_hook(to_local)
         return module
-
-
-class GatherSequence(ParallelStyle):
-    """All-gather a module's hidden-states input from sequence-sharded to replicated.
-
-    Unlike ``PrepareModuleInput`` it takes the input positionally or as ``hidden_states=``
-    (transformers calls attention with keywords and the MLP positionally).
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(x):
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-            return x.redistribute(placements=[Replicate()]).to_local()
-
-        def hook(mod, args, kwargs):
-            if args:
-                return (gather(args[0]), *args[1:]), kwargs
-            if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
-            raise TypeError(f"{type(mod).__name__} got no hidden states to gather")
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-
-class ScatterSequence(ParallelStyle):
-    """Keep this rank's slice of the sequence of a replicated output (a replicated embedding, a
-    block part computed whole on every rank)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def scatter(x):
-            full = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            return full.redistribute(placements=[Shard(1)]).to_local()
-
-        def hook(mod, args, out):
-            return (scatter(out[0]), *out[1:]) if isinstance(out, tuple) else scatter(out)
-
-        module.register_forward_hook(hook)
-        return module
-
-
-class Whole(ParallelStyle):
-    """sp: a module computed whole on every rank (its parameter gradients agree): the sequence
-    is gathered before it and scattered after it."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        GatherSequence()._apply(module, device_mesh)
-        return ScatterSequence()._apply(module, device_mesh)

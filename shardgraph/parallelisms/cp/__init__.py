@@ -30,18 +30,18 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..core.axes import Axis
-from ..core.errors import Violation
-from ..core.lazy import lazy_module
-from ..plugins import Kind, Plugin
+from ...core.axes import Axis
+from ...core.errors import Violation
+from ...core.lazy import lazy_module
+from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..core.context import MeshContext
+    from ...core.context import MeshContext
 
-_cp_attention = lazy_module("shardgraph.parallelisms._cp_attention")
+_cp_attention = lazy_module("shardgraph.parallelisms.cp._attention")
 
 __all__ = ["CPOptions", "shard_batch"]
 
@@ -158,8 +158,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh | None,
                 load_balance: bool = True) -> dict[str, Any]:
     """This rank's share of ``batch`` over the cp ``mesh`` (a 1-D DeviceMesh; None: no cp): the
     keyword arguments of the cp model's ``model(**...)``. Every cp rank passes the same
-    (data-parallel-local) batch. ``plan.prepare_batch(batch)`` / the parallelised model's
-    ``prepare_batch`` call this with the plan's mesh.
+    (data-parallel-local) batch. ``ParallelModel.prepare_batch`` calls this with the plan's
+    mesh.
 
     ``batch`` holds ``input_ids`` or ``inputs_embeds`` of shape ``(batch, seq, ...)``, optionally
     ``labels`` (unshifted, as transformers takes them; ``-100`` is ignored), ``position_ids`` and

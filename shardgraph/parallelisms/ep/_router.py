@@ -10,8 +10,9 @@ outputs are held until the checkpoint recomputes the block, and the recomputatio
 The inner hooks also keep the checkpoint's count of saved tensors the same in forward and
 recompute, so nothing else in the block changes.
 
-Works with composable ``checkpoint`` (the ``activation_checkpointing`` plugin) on any ancestor
-of the router: its ``enable_hook`` is off exactly while it recomputes the block.
+Works with any plugin that provides ``activation_checkpointing``: its exported
+``core.values.Recomputation`` says, for each of the router's ancestors, whether it is
+checkpointed and whether it is recomputing now.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.distributed._composable import checkpoint
-from torch.distributed._composable.contract import _get_registry
+
+from ...core.values import Recomputation
 
 
-def keep_router_outputs(router: nn.Module, ancestors: tuple[nn.Module, ...]) -> None:
+def keep_router_outputs(router: nn.Module, ancestors: tuple[nn.Module, ...],
+                        recompute: Recomputation) -> None:
     """``ancestors``: the router's enclosing modules, outermost first. Held weakly: they hold
     the router, and as modules they would register as its submodules."""
     router._ep_ancestors = tuple(weakref.ref(m) for m in ancestors)
+    router._ep_recompute = recompute
     router._ep_kept = collections.deque()
     router.__class__ = _keeping_class(type(router))
 
@@ -46,12 +49,13 @@ def _keeping_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _ac_state(ancestors: tuple[weakref.ref, ...]):
-    """The composable-checkpoint state of the innermost checkpointed ancestor, if any."""
-    for ref in reversed(ancestors):
+def _recomputing(router: nn.Module) -> bool | None:
+    """Whether the innermost checkpointed ancestor is recomputing (None: none is checkpointed)."""
+    for ref in reversed(router._ep_ancestors):
         module = ref()
-        if module is not None and "checkpoint" in (_get_registry(module) or {}):
-            return checkpoint.state(module)
+        state = None if module is None else router._ep_recompute.recomputing(module)
+        if state is not None:
+            return state
     return None
 
 
@@ -60,17 +64,17 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _kept_forward(self: nn.Module, forward, inputs: torch.Tensor, *args, **kwargs):
-    state = _ac_state(self._ep_ancestors)
-    if state is None or not torch.is_grad_enabled():
+    recomputing = _recomputing(self)
+    if recomputing is None or not torch.is_grad_enabled():
         return forward(self, inputs, *args, **kwargs)
-    if not state.enable_hook:
+    if recomputing:
         # The checkpoint is recomputing the block in backward: reuse the forward's outputs.
         kept = _take(self._ep_kept, inputs)
         if kept is not None:
             return kept
     with saved_tensors_hooks(_identity, _identity):
         out = forward(self, inputs, *args, **kwargs)
-    if state.enable_hook:
+    if not recomputing:
         # The router saved its input for its own backward: keeping it costs no memory.
         self._ep_kept.append((inputs, out))
     return out

@@ -16,7 +16,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ._ep_layers import EXPERT_PARAMS
+from ._layers import EXPERT_PARAMS
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:

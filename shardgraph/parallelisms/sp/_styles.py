@@ -1,0 +1,57 @@
+"""The styles sp adds around what tp split: gathering and scattering the sequence."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class GatherSequence(ParallelStyle):
+    """All-gather a module's hidden-states input from sequence-sharded to replicated.
+
+    Unlike ``PrepareModuleInput`` it takes the input positionally or as ``hidden_states=``
+    (transformers calls attention with keywords and the MLP positionally).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return x.redistribute(placements=[Replicate()]).to_local()
+
+        def hook(mod, args, kwargs):
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            raise TypeError(f"{type(mod).__name__} got no hidden states to gather")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class ScatterSequence(ParallelStyle):
+    """Keep this rank's slice of the sequence of a replicated output (a replicated embedding, a
+    block part computed whole on every rank)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def scatter(x):
+            full = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            return full.redistribute(placements=[Shard(1)]).to_local()
+
+        def hook(mod, args, out):
+            return (scatter(out[0]), *out[1:]) if isinstance(out, tuple) else scatter(out)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+class Whole(ParallelStyle):
+    """sp: a module computed whole on every rank (its parameter gradients agree): the sequence
+    is gathered before it and scattered after it."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        GatherSequence()._apply(module, device_mesh)
+        return ScatterSequence()._apply(module, device_mesh)
