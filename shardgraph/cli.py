@@ -93,7 +93,8 @@ def _plugins(args: argparse.Namespace) -> int:
         print(f"{r['name']:<26} {r['kind']:<12} axis={r['axis'] or '-':<13} from {r['source']}")
         if r["doc"]:
             print(f"    {r['doc']}")
-        for field in ("provides", "requires", "conflicts", "before", "after", "consumes", "reads"):
+        for field in ("provides", "exports", "requires", "conflicts", "before", "after",
+                      "consumes", "reads"):
             if r[field]:
                 print(f"    {field:<9} {', '.join(r[field])}")
         if r["options"]:

@@ -182,3 +182,13 @@ def test_pp_is_a_package_without_per_model_classes_or_module_copies():
     text = "".join(p.read_text() for p in package.glob("*.py"))
     assert (package / "__init__.py").is_file()
     assert "__new__" not in text and "type(f" not in text and "ModuleDict" not in text
+
+
+def test_the_plugins_listing_names_each_exported_contract():
+    from shardgraph.plugins._describe import describe
+
+    rows = {row["name"]: row["exports"] for row in describe(builtin_registry())}
+    assert rows["fsdp2"] == ["fully_shard (ShardUnit)"]
+    assert rows["tp"] == ["tensor_parallel (TPLayout)"]
+    assert rows["activation_checkpointing"] == ["activation_checkpointing (Recomputation)"]
+    assert rows["ddp"] == []  # data_parallel is a flag

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 def describe(registry: Registry) -> list[dict[str, Any]]:
     """Every registered plugin as plain data: its declaration, where it came from, and its
-    options (``shardgraph plugins``)."""
+    options (``shardgraph plugins``). ``exports``: each provided capability that carries a
+    value, with its contract type."""
+    contracts = registry.contracts()
     return [{
         "name": plugin.name, "kind": plugin.kind.value,
         "axis": plugin.axis.value if plugin.axis else None,
@@ -25,6 +27,8 @@ def describe(registry: Registry) -> list[dict[str, Any]]:
         "conflicts": sorted(plugin.conflicts), "before": sorted(plugin.before),
         "after": sorted(plugin.after), "consumes": sorted(plugin.consumes),
         "reads": sorted(plugin.reads),
+        "exports": [f"{cap} ({contracts[cap].__name__})" for cap in sorted(plugin.provides)
+                    if cap in contracts],
         "source": registry.source(plugin.name), "doc": plugin.doc,
         "options": [
             {**o, "doc": o["doc"] or f"the {plugin.axis.value} degree: ranks in each group"}
