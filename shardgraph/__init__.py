@@ -28,6 +28,8 @@ _EXPORTS = {
     "shard_batch": "shardgraph.parallelisms.cp",
     "autoplan": "shardgraph.planner.search",
     "estimate": "shardgraph.planner.predict",
+    "load_pipeline": "shardgraph.train.config",
+    "loads_pipeline": "shardgraph.train.config",
     "Kind": "shardgraph.plugins._spec",
     "NoOptions": "shardgraph.plugins._spec",
     "Plugin": "shardgraph.plugins._spec",
@@ -65,3 +67,4 @@ if TYPE_CHECKING:
     from .planner import autoplan, estimate
     from .plugins import Kind, NoOptions, Plugin, Registry
     from .plugins.builtin import builtin_registry, default_registry
+    from .train.config import load_pipeline, loads_pipeline

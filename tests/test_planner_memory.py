@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardgraph.planner.memory import split_layers, state_bytes
+from shardgraph.parallelisms.pp import split_layers
+from shardgraph.planner.memory import state_bytes
 from shardgraph.planner.predict import setup_of
 from shardgraph.planner.shape import FAMILIES, TINY, model_shape
 from shardgraph.planner.view import plan_view
@@ -111,8 +112,11 @@ def test_copied_defaults_and_layer_split_match_the_training_code():
     from shardgraph.train.model import TINY as REAL_TINY
 
     assert TINY == REAL_TINY
-    # the planner prices the split pp applies: one function, imported by both
+    # the planner prices the split pp applies: pp declares it in its cost record
     assert stage_specs.__globals__["split_layers"] is split_layers
+    pipeline = loads_pipeline(MODEL.format(arch="LlamaForCausalLM", extra="", dtype="fp32")
+                              + "[plugins.fsdp2]\n[plugins.pp]\nsize = 2\n")
+    assert plan_view(compile_for(pipeline, 4)).pipeline.split is split_layers
     assert [list(r) for r in split_layers(10, 4, None)] == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
     assert split_layers(10, 4, 3) == [range(0, 3), range(3, 6), range(6, 9), range(9, 10)]
 

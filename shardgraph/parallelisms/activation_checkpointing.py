@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..core.blocks import blocks_violation, find_blocks
+from ..core.costs import Cost
 from ..core.errors import Violation
 from ..core.values import Recomputation
 from ..plugins import Kind, Plugin
@@ -123,11 +124,17 @@ def _export(options: ActivationCheckpointingOptions, layout, inputs: dict[str, A
     return {"activation_checkpointing": Recomputation(_recomputing)}
 
 
+def _cost(options, layout) -> Cost:
+    # every checkpointed block keeps its input and runs its forward again in backward
+    return Cost(recompute=1.0)
+
+
 PLUGIN = Plugin(
     name="activation_checkpointing",
     kind=Kind.POLICY,
     options=ActivationCheckpointingOptions,
     provides={"activation_checkpointing"},
+    cost=_cost,
     before={"data_parallel"},
     check=_check,
     model_check=_model_check,

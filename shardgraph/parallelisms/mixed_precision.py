@@ -10,6 +10,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import Violation, choices_hint, did_you_mean
+from ..core.costs import Cost
 from ..core.values import DTYPE_NAMES, PrecisionPolicy, StepRunner, dtype
 from ..plugins import Kind, Plugin
 
@@ -74,11 +75,21 @@ def _cast_floats(value, to: torch.dtype):
     return value
 
 
+_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4,
+          "float32": 4, "float": 4}
+
+
+def _cost(options: MixedPrecisionOptions, layout) -> Cost:
+    return Cost(compute_bytes=_BYTES.get(options.param_dtype, 0),
+                reduce_bytes=_BYTES.get(options.reduce_dtype, 0))
+
+
 PLUGIN = Plugin(
     name="mixed_precision",
     kind=Kind.POLICY,
     options=PrecisionPolicy,
     provides={"precision_policy"},
+    cost=_cost,
     reads={"pipeline_parallel"},  # its stages, to autocast each
     before={"data_parallel"},
     check=_check,

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..cli import COMMANDS, PLAN_MODES
 from ..core.errors import PlanError, Violation
+from ..train.config import load_pipeline
 
 GiB = 2**30
 
@@ -24,7 +25,7 @@ def memory_lines(est: dict[str, Any]) -> list[str]:
     mem = est["memory_bytes_per_rank"]
     gpu = est["assumptions"]["gpu"]
     lines = [f"{'memory per rank':<18}{'GiB':>10}"]
-    for key in ("params", "grads", "optimizer", "activations", "buffers", "total"):
+    for key in ("params", "grads", "optimizer", "activations", "buffers", "reserve", "total"):
         lines.append(f"  {key:<16}{mem[key] / GiB:>10.2f}")
     verdict = "fits" if est["fits"] else "does NOT fit"
     lines.append(f"  {verdict} in {gpu['name']} ({gpu['hbm_gib']:.0f} GiB, "
@@ -57,6 +58,46 @@ def render_estimate(est: dict[str, Any]) -> str:
                       f"{eff['gpu']['network_gbps']:.0f} GB/s per GPU"])
 
 
+def render_candidates(result: dict[str, Any]) -> str:
+    rows = result["candidates"]
+    lines = [f"{'#':>2}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'step s':>8}  {'GiB/rank':>8}  plan"]
+    for i, r in enumerate(rows, start=1):
+        lines.append(f"{i:>2}  {r['tokens_per_s_per_gpu']:>12,.0f}  {r['mfu']:>6.1%}  "
+                     f"{r['step_time_s']:>8.3f}  "
+                     f"{r['memory_bytes_per_rank']['total'] / 2**30:>8.1f}  {r['summary']}")
+    c = result["searched"]
+    lines += ["", f"searched {c['layouts']} layouts, estimated {c['estimated']} plans, "
+              f"{c['fit']} fit; compiled {c['compiled']} (refused {c['refused']}) in "
+              f"{c.get('seconds', 0):.2f} s", "", "best plan:"]
+    best = rows[0]
+    lines += ["  " + line for line in _toml(best).splitlines()]
+    lines += ["", *memory_lines(best), "", *time_lines(best)]
+    if result["why"]:
+        lines += ["", "why:", *("  " + w for w in result["why"])]
+    return "\n".join(lines)
+
+
+def _toml(row: dict[str, Any]) -> str:
+    out = []
+    tables = dict(row["pipeline"]["plugins"])
+    for name, opts in tables.items():
+        out.append(f"[plugins.{name}]")
+        out += [f"{k} = {_value(v)}" for k, v in opts.items()]
+    out.append("[mesh]")
+    out += [f"{k} = {v}" for k, v in row["pipeline"]["mesh"].items()]
+    if "train" in row:
+        out.append(f"# and in [train]: micro_batch_size = {row['train']['micro_batch_size']}")
+    return "\n".join(out)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return str(v)
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default=None, help="GPU preset (A100-80GB, H100-SXM, H200, B200, "
                    "MI300X; default: [cluster] gpu, else H100-SXM)")
@@ -71,9 +112,9 @@ def _estimate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .predict import estimate, load
+    from .predict import estimate
 
-    pipeline = load(args.file)
+    pipeline = load_pipeline(args.file)
     est = estimate(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
                    gpu=args.gpu, world_key="--world-size")
     print(json.dumps(est) if args.json else render_estimate(est))
@@ -90,13 +131,12 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_auto(args: argparse.Namespace) -> int:
-    from .predict import load
-    from .search import autoplan, render_candidates
+    from .search import autoplan
 
     if args.top < 1:
         raise PlanError([Violation("value", ("--top",), f"--top must be >= 1, got {args.top}",
                                    hint="e.g. --top 5")])
-    pipeline = load(args.file)
+    pipeline = load_pipeline(args.file)
     result = autoplan(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
                       gpu=args.gpu, top=args.top)
     print(json.dumps(result) if args.json else render_candidates(result))

@@ -14,10 +14,10 @@ the pipeline bubble.
 - Overlap: FSDP's all-gathers run ahead of the compute they feed (prefetch) and are exposed
   only beyond it, the first one always; its reduce-scatter overlaps the last micro-batch's
   backward (gradients are reduced once per step); DDP's all-reduce overlaps backward the
-  same way. TP, CP and EP collectives sit on the critical path. Pipeline sends are exposed in
-  the fill and drain only.
-- Bubble: ``(pp - 1) / (microbatches x virtual stages)`` of the compute for 1F1B, GPipe,
-  interleaved and looped schedules, a third of it for zero-bubble schedules.
+  same way. The collectives the steps declare (``core.costs.Comm``: tp's reductions, cp's K/V,
+  ep's dispatch) sit on the critical path, a ring's behind the attention it feeds.
+- Pipeline: the bubble of the schedule's shape (``bubble_share``) and a receive per pass
+  (``pp_sends``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import attrs
 from .gpus import GPU
 from .memory import held_numel, microbatches, stage_layers
 from .shape import ModelShape, layer_kind
-from .view import SCHEDULES, PlanView, Setup
+from .view import PlanView, Setup
 
 
 @attrs.frozen(cache_hash=True)
@@ -44,6 +44,11 @@ class Efficiency:
     x0: float = 300.0
     comm_eff: float = 0.7
     fallback: str = "H100-SXM"
+    #: multiplier on the counted memory traffic of a block's elementwise work
+    #: (``elementwise_bytes``)
+    elementwise: float = 1.0
+    #: eager torch's elementwise traffic over fused kernels'
+    eager: float = 1.0
 
     def ceiling(self, gpu: str) -> float:
         table = dict(self.e_max)
@@ -86,6 +91,24 @@ def model_flops_per_token(shape: ModelShape, seq: int) -> float:
         shape.heads * shape.head_dim * seq
 
 
+def elementwise_bytes(shape: ModelShape, v: PlanView, seq: int, kind: str,
+                      eager: float) -> float:
+    """HBM traffic of one block's memory-bound work for one token in one pass, per rank:
+    reads and writes of the two norms, the residual adds and dropouts (12 h; split over tp
+    only under sequence parallelism, else every tp rank does them whole), the MLP's activation
+    function (4 x its width, split over tp) and, unless attention is fused (flash attention),
+    the s x s scores per head: written, softmaxed, masked and read back (6 x heads x s).
+    Counted for fused kernels (Megatron's, or torch.compile's); eager torch runs each op of a
+    norm, of RoPE and of SwiGLU as a kernel of its own, ``eager`` times the traffic (fitted)."""
+    cb = v.compute_bytes or shape.param_bytes
+    f = shape.moe_intermediate * shape.top_k if kind == "moe" else shape.intermediate
+    n = (12 * shape.hidden / (v.tp if v.sp else 1) + 4 * f / v.tp) * (
+        1 if v.fused_elementwise else eager)
+    if not v.fused_attention:
+        n += 6 * shape.heads / v.tp * seq / v.cp
+    return n * cb
+
+
 def efficiency(shape: ModelShape, v: PlanView, eff: Efficiency, gpu: str) -> float:
     x = shape.hidden / v.tp
     return eff.ceiling(gpu) * x / (x + eff.x0)
@@ -103,6 +126,56 @@ def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
     return lat * math.ceil(math.log2(n)) + traffic / bw
 
 
+AXIS_SIZES = ("tp", "cp", "ep", "pp", "dp", "dp_shard", "dp_replicate")
+
+
+def comm_bytes(shape: ModelShape, v: PlanView, size: str, tokens: int) -> float:
+    """Bytes of one collective of ``size`` (``core.costs``) for a micro-batch of ``tokens``."""
+    cb = v.compute_bytes or shape.param_bytes
+    local = tokens / v.cp
+    if size == "activation":
+        return local * shape.hidden * cb
+    if size == "kv":
+        return local * 2 * shape.kv_heads * shape.head_dim / v.tp * cb
+    if size == "routed":
+        return local * shape.top_k * shape.hidden * cb
+    return local * shape.vocab * cb  # logits
+
+
+def pass_times(v: PlanView) -> tuple[float, float, float]:
+    """(F, B, W): a block's forward, input-gradient and weight-gradient passes in units of its
+    forward; recomputation runs in B."""
+    return 1.0, 1.0 + v.recompute, 1.0
+
+
+def bubble_share(v: PlanView, n_micro: int, chunks: int) -> float:
+    """The pipeline bubble as a share of a rank's compute, for the schedule's shape (Qi et al.
+    2024, "Zero Bubble Pipeline Parallelism", counting in passes of one chunk):
+
+    - 1F1B, GPipe: ``(pp - 1) (F + B + W)`` idle in fill and drain, against
+      ``n_micro (F + B + W)`` of work; looped schedules (interleaved 1F1B, looped BFS) cut each
+      idle slot to one chunk's, ``1 / v`` of it;
+    - zero bubble, looped (ZB-H1 as torch schedules it): the weight passes fill the drain,
+      ``(pp - 1) (F + B - W)``;
+    - zero bubble in a V (ZB-V, DualPipeV): ``(pp - 1) (F + B - 2 W)``, none when the passes
+      take alike.
+    """
+    f, b, w = pass_times(v)
+    pipe = v.pipeline
+    idle = f + b + w
+    if pipe is not None and pipe.split_backward:
+        idle = max(0.0, f + b - (2 if pipe.v_shape else 1) * w)
+    return (v.pp - 1) * idle / (n_micro * chunks * (f + b + w))
+
+
+def pp_sends(v: PlanView, n_micro: int, chunks: int) -> float:
+    """Point-to-point transfers on the critical path of one step: a micro-batch's activation
+    (forward) and its gradient (backward) cross each of the ``pp v - 1`` stage boundaries in the
+    fill and drain, and torch's schedules wait on each receive before the pass that needs it,
+    so in the steady state every pass of a chunk waits for one."""
+    return 2 * (v.pp * chunks - 1) + 2 * max(0, n_micro - v.pp) * chunks
+
+
 def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
               eff: Efficiency) -> dict[str, Any]:
     mbs, n_micro = microbatches(v, setup)
@@ -110,7 +183,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     tokens = mbs * seq  # per micro-batch of one dp rank
     cb = v.compute_bytes or shape.param_bytes  # activations and gathered parameters
     rb = v.reduce_bytes or v.compute_bytes or shape.param_bytes
-    passes = 4 if v.ac else 3  # forward + backward (2x) + recomputed forward
+    passes = 3 + v.recompute  # forward + backward (2x) + the recomputed share of forward
     e = efficiency(shape, v, eff, gpu.name)
     ranks = stage_layers(shape, v)
 
@@ -129,7 +202,14 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     worst = max(range(len(ranks)), key=lambda i: flops[i])
     held, n_chunks = ranks[worst]
     rank_flops = flops[worst] * tokens * n_micro * passes / (v.tp * v.cp)
-    compute = rank_flops / (gpu.peak_flops * e)
+    memory_bound = eff.elementwise * tokens / v.cp * n_micro * passes * sum(
+        n * elementwise_bytes(shape, v, seq, k, eff.eager) for k, n in held.kinds
+        if k not in ("first", "last")) / gpu.hbm_bw
+    # causal attention's share, on the rank with the most of it (cp without load balancing)
+    attn_flops = 2 * seq * shape.heads * shape.head_dim * tokens / (v.tp * v.cp)
+    extra = attn_flops * held.layers * n_micro * passes * (v.attention_imbalance - 1)
+    compute = ((rank_flops + extra) / (gpu.peak_flops * e) + memory_bound) / v.compute_speedup
+    attention_s = attn_flops / (gpu.peak_flops * e)  # one block's forward, one micro-batch
     per_micro = compute / n_micro
     layers = held.layers
     bwd_last = per_micro * (passes - 1) / passes  # the last micro-batch's backward
@@ -139,26 +219,27 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         if t > 0:
             exposed[axis] = exposed.get(axis, 0.0) + t
 
-    # tensor parallelism: per block 2 reductions forward (+2 recomputed) and 2 backward
-    if v.tp > 1:
-        s = tokens / v.cp * shape.hidden * cb
-        one = _collective("all_reduce", v.tp, s, v.group_crosses_nodes("tp"), gpu, eff)
-        add("tp", one * 2 * (passes - 1) * layers * n_micro)
-        if "last" in held and not v.loss_parallel:
-            add("tp", n_micro * _collective("all_gather", v.tp, tokens / v.cp * shape.vocab
-                                            * cb, v.group_crosses_nodes("tp"), gpu, eff))
-    # context parallelism: K/V all-gathered forward (and again when recomputed), their
-    # gradients reduce-scattered backward
-    if v.cp > 1:
-        s = tokens * 2 * shape.kv_heads * shape.head_dim / v.tp * cb
-        one = _collective("all_gather", v.cp, s, v.group_crosses_nodes("cp"), gpu, eff)
-        add("cp", one * (passes - 1) * layers * n_micro)
-    # expert parallelism: dispatch and combine, forward (+ recomputed) and backward
-    moe_here = held.count("moe")
-    if v.ep > 1 and moe_here:
-        s = tokens / v.cp * shape.top_k * shape.hidden * cb
-        one = _collective("all_to_all", v.ep, s, v.group_crosses_nodes("ep"), gpu, eff)
-        add("ep", one * 2 * (passes - 1) * moe_here * n_micro)
+    # what the plan's steps declare they send per micro-batch (tp's reductions, cp's K/V,
+    # ep's dispatch), priced on the link their group crosses
+    for c in v.comms:
+        n = getattr(v, c.axis, 1) if c.axis in AXIS_SIZES else 1
+        if n <= 1:
+            continue
+        count = n_micro * (c.forward * (1 + v.recompute) + c.backward)
+        if c.per == "layer":
+            count *= layers
+        elif c.per == "moe_layer":
+            count *= held.count("moe")
+        elif "last" not in held:
+            continue
+        one = _collective("p2p" if c.kind == "ring" else c.kind, n,
+                          comm_bytes(shape, v, c.size, tokens) * (n - 1 if c.kind == "ring"
+                                                                  else 1),
+                          v.group_crosses_nodes(c.axis), gpu, eff)
+        if c.kind == "ring":
+            # the exchanges hide behind attention on the chunks already received
+            one = max(0.0, one - attention_s * (n - 1) / n)
+        add(c.axis, one * count)
     # data parallelism
     whole = attrs.evolve(v, strategy=None)
     if v.strategy in ("fully_shard", "sharded") and v.dp * v.cp > 1:
@@ -167,18 +248,22 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         unsharded = held_numel(shape, held, whole, False if v.ep > 1 else None)
         gathers = n_micro * (2 if v.reshard_after_forward else 1)
         ag = gathers * _collective("all_gather", n, unsharded * cb, crosses, gpu, eff)
-        rs = _collective("reduce_scatter", n, unsharded * rb, crosses, gpu, eff)
+        # gradients reduced once per step (deferred; always under torch's pipeline stages), or
+        # after every micro-batch's backward
+        reductions = 1 if v.defer_grad_sync or v.pp > 1 else n_micro
+        rs = reductions * _collective("reduce_scatter", n, unsharded * rb, crosses, gpu, eff)
         ep_shard = v.dp * v.cp // v.ep
         ex = held_numel(shape, held, whole, True) if v.ep > 1 else 0
         if ex and ep_shard > 1:
             cross = v.ep * ep_shard > v.gpus_per_node
             ag += gathers * _collective("all_gather", ep_shard, ex * cb, cross, gpu, eff)
-            rs += _collective("reduce_scatter", ep_shard, ex * rb, cross, gpu, eff)
+            rs += reductions * _collective("reduce_scatter", ep_shard, ex * rb, cross, gpu, eff)
         units = max(layers, 1) + 1
         first = ag / (gathers * units) if gathers else 0.0
-        hidden_ag = max(0.0, ag - compute) + first
-        hidden_rs = max(0.0, rs - bwd_last)
-        add("dp_shard", hidden_ag + hidden_rs)
+        # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
+        # backward they follow (each on its own stream, the two directions of the links)
+        window = bwd_last * reductions if v.overlap_grad_reduce else 0.0
+        add("dp_shard", max(0.0, ag - compute) + first + max(0.0, rs - window))
         if v.dp_replicate > 1 and v.strategy == "fully_shard":
             shard = unsharded * rb / n
             add("dp_replicate", _collective("all_reduce", v.dp_replicate, shard,
@@ -186,15 +271,21 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     elif v.strategy == "replicate" and v.dp > 1:
         grads = held_numel(shape, held, whole) * shape.param_bytes
         ar = _collective("all_reduce", v.dp, grads, v.group_crosses_nodes("dp"), gpu, eff)
-        add("dp", max(0.0, ar - bwd_last) + ar * 25 * 2**20 / max(grads, 1))
-    # pipeline: sends of the fill and drain, and the bubble
+        # buckets reduced as backward fills them, the last one after it; or all after it
+        add("dp", max(0.0, ar - bwd_last) + ar * 25 * 2**20 / max(grads, 1)
+            if v.overlap_grad_reduce else ar)
+    # pipeline: the bubble and the sends on the critical path
     bubble = 0.0
     if v.pp > 1:
-        s = tokens / v.cp * shape.hidden * cb / (v.tp if v.sp else 1)
+        # under sp the boundary's activations are split over tp (as Megatron's scatter/gather
+        # splits them without sp); each tp rank sends its part over its own link
+        split = v.sp or v.p2p_split_over_tp
+        s = tokens / v.cp * shape.hidden * cb / (v.tp if split else 1)
         one = _collective("p2p", 2, s, v.group_crosses_nodes("pp"), gpu, eff)
-        add("pp", 2 * (v.pp - 1) * one)
-        factor = SCHEDULES.get(v.schedule, (1, False, 1.0))[2]
-        bubble = factor * (v.pp - 1) / (n_micro * n_chunks) * compute
+        if v.p2p_split_over_tp and not v.sp and v.tp > 1:  # and gathered again inside the node
+            one += _collective("all_gather", v.tp, s * v.tp, False, gpu, eff)
+        add("pp", one * pp_sends(v, n_micro, n_chunks))
+        bubble = bubble_share(v, n_micro, n_chunks) * compute
     # optimizer: reads parameters, gradients, states; writes parameters and states
     local = held_numel(shape, held, v) * shape.param_bytes
     states = setup.optimizer_states

@@ -7,8 +7,8 @@ sharded data parallelism then splits dim 0 of what is left over ``dp_shard x cp`
 the first ranks get ``ceil(n / size)`` rows, so rank 0 is the worst); a routed expert's stack
 is split over ``ep`` on dim 0 and then over ``ep_shard`` on dim 0, or on dim 1 when fewer local
 experts than ``ep_shard`` ranks remain; ddp keeps whole copies. Pipeline stage ``s`` holds its
-layers (``parallelisms.pp.split_layers``), the first stage the embedding,
-the last the final norm and the LM head.
+layers (the split the pipeline's cost record carries), the first stage the embedding, the
+last the final norm and the LM head.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import math
 
 import attrs
 
-from ..parallelisms.pp import split_layers
 from .shape import ModelShape, Param, kind_params, layer_kind
-from .view import SCHEDULES, PlanView, Setup
+from .view import PlanView, Setup
 
 
 @attrs.frozen(cache_hash=True)
@@ -44,15 +43,26 @@ class Held:
 
 def stage_layers(shape: ModelShape, v: PlanView) -> list[tuple[Held, int]]:
     """For each pp rank: (what it holds, its stage count)."""
-    v_shape = SCHEDULES.get(v.schedule, (1, False))[1]
-    return _stage_layers(shape, v.pp, v.stages_per_rank, v_shape, v.layers_per_stage)
+    pipe = v.pipeline
+    return _stage_layers(shape, v.pp, v.stages_per_rank, bool(pipe and pipe.v_shape),
+                         v.layers_per_stage, pipe.split if pipe and pipe.split else even_split)
+
+
+def even_split(n_layers: int, n_stages: int, layers_per_stage: int | None) -> list[range]:
+    """Contiguous ranges, the remainder to the first stages (for a pipeline plugin that
+    declares no split of its own)."""
+    if layers_per_stage is not None:
+        return [range(s * layers_per_stage, min(n_layers, (s + 1) * layers_per_stage))
+                for s in range(n_stages)]
+    bounds = [n_layers * s // n_stages for s in range(n_stages + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 @functools.cache
 def _stage_layers(shape: ModelShape, pp: int, per_rank: int, v_shape: bool,
-                  layers_per_stage: int | None) -> list[tuple[Held, int]]:
+                  layers_per_stage: int | None, split) -> list[tuple[Held, int]]:
     n_stages = pp * per_rank if pp > 1 else 1
-    ranges = split_layers(shape.layers, n_stages, layers_per_stage)
+    ranges = split(shape.layers, n_stages, layers_per_stage)
     ranks: list[tuple[collections.Counter, int]] = [(collections.Counter(), 0) for _ in range(pp)]
     for s, layers in enumerate(ranges):
         r = (s if s < pp else 2 * pp - 1 - s) if v_shape else s % pp
@@ -153,6 +163,28 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     return dtype * ((norms + linear_in + inside) / v.cp + kv_full / v.cp)
 
 
+def inflight(v: PlanView, n_micro: int, chunks: int) -> float:
+    """Micro-batches of one chunk whose activations pp rank 0 holds at its peak, as torch's
+    schedules order the work (``torch.distributed.pipelining.schedules``).
+
+    - forward first (GPipe, looped BFS): every micro-batch of every chunk;
+    - 1F1B: ``pp`` forwards before the first backward;
+    - looped 1F1B (interleaved): ``(v - 1) pp + 2 (pp - 1)`` chunk forwards of warm-up, one more
+      in the steady state (as Narayanan et al. 2021 count it: ``pp (1 + (pp - 1) / (pp v))``
+      of the rank's layers);
+    - zero bubble, looped: half the interleaved warm-up's forwards, but each block's
+      activations stay until its weight-gradient pass runs, which the schedule delays by as
+      much: the same peak as interleaved 1F1B;
+    - zero bubble in a V (ZB-V, DualPipeV): ``pp`` micro-batches of the rank's layers, as 1F1B.
+    """
+    pipe = v.pipeline
+    if pipe is not None and pipe.forward_first:
+        return float(n_micro * chunks)
+    if chunks == 1 or (pipe is not None and pipe.v_shape):
+        return float(min(n_micro, v.pp) * chunks)
+    return float(min(n_micro * chunks, (chunks - 1) * v.pp + 2 * (v.pp - 1) + 1))
+
+
 def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,
                      dtype: int) -> float:
     """Activations live at the peak of one pp rank's step."""
@@ -167,17 +199,8 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
     else:
         per_layer, peak_extra = per_layer_full, 0.0
     if v.pp > 1:
-        inflight_mult = SCHEDULES.get(v.schedule, (1, False, 1.0, 1.0))[3]
         chunks = max(n_stages, 1)
-        if inflight_mult is None:
-            inflight = n_micro  # all forwards before any backward
-        else:
-            # 1F1B: stage 0 holds pp microbatches; interleaved: pp (1 + (pp - 1) / (pp v)) of
-            # its first chunk's worth (Narayanan et al. 2021), spread over its chunks
-            inflight = min(n_micro, v.pp) * (1 + (v.pp - 1) / (v.pp * chunks)) \
-                if chunks > 1 else min(n_micro, v.pp)
-        body = per_layer * layers / chunks * inflight if chunks > 1 else per_layer * layers \
-            * inflight
+        body = per_layer * layers * inflight(v, n_micro, chunks) / chunks
     else:
         body = per_layer * layers
     logits = 0.0
@@ -186,6 +209,10 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         # saved fp32 log-softmax, the fp32 gradient of the logits and its cast back
         vocab = shape.vocab / (v.tp if v.loss_parallel else 1)
         logits = tokens / v.cp * vocab * (2 * dtype + 8)
+        if v.pp > 1:
+            # torch's last stage keeps every micro-batch's output (``output_chunks``, merged
+            # and returned when the step ends): the logits of the others stay too
+            logits += (n_micro - 1) * tokens / v.cp * vocab * dtype
     embed = tokens / v.cp * shape.hidden * dtype if "first" in held else 0.0
     return body + peak_extra + logits + embed
 
@@ -198,7 +225,8 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
     or, when parameters are not resharded after forward (fsdp2's default under pp), every
     block of this rank from its forward to its backward; one block's unsharded gradients
     before their reduce-scatter, or, when the reduction is deferred to the last of several
-    micro-batches (``defer_fsdp_grad_sync``, the default), every block's, accumulated in the
+    micro-batches (``defer_fsdp_grad_sync``, the default, and always under pp: torch's
+    pipeline stages reduce on the last micro-batch), every block's, accumulated in the
     reduce dtype. ddp: a pair of 25 MiB gradient buckets.
     """
     if v.strategy == "replicate":
@@ -211,7 +239,10 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
     reduce = v.reduce_bytes or shape.param_bytes
     params = dense * dtype if not v.reshard_after_forward else 2 * block * dtype
     _, n_micro = microbatches(v, setup)
-    grads = dense * reduce if v.defer_grad_sync and n_micro > 1 else block * reduce
+    # torch's pipeline stages reduce an fsdp module's gradients on the last micro-batch only
+    # (``backward_maybe_with_nosync``), whatever the strategy's own setting
+    defer = v.defer_grad_sync or v.pp > 1
+    grads = dense * reduce if defer and n_micro > 1 else block * reduce
     return float(params + grads)
 
 

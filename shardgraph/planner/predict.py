@@ -12,9 +12,14 @@ from .memory import activation_bytes, buffer_bytes, microbatches, stage_layers, 
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, plan_view
 
-#: the share of HBM a step may use: the CUDA context, NCCL and the allocator's fragmentation
-#: take the rest
-USABLE_HBM = 0.92
+#: the share of HBM a step may use: the CUDA context and NCCL's buffers take the rest
+USABLE_HBM = 0.95
+#: what torch's caching allocator holds beyond the live tensors at the peak, as a share of the
+#: memory that comes and goes in a step (activations and unsharded copies; the sharded states
+#: are allocated once): blocks cut for one size and free but too small for the next. The
+#: smallest value on ``calibration.RESERVES`` that leaves no ``fit`` row of ``published.toml``
+#: more than 5% under its measured peak (``calibration.fit_reserve``).
+ALLOCATOR_RESERVE = 0.18
 
 
 def setup_of(pipeline) -> Setup:
@@ -94,6 +99,8 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup) -> tuple[dict[str, i
             seen[held, chunks] = (activation_bytes(shape, v, setup, held, chunks, act_dtype),
                                   buffer_bytes(shape, v, setup, held, act_dtype))
         act, buffers = seen[held, chunks]
+        # what the steps declare: a scale on activations, bytes on every rank
+        act, buffers = act * v.activation_scale, buffers + v.memory_bytes
         on_gpu = 0 if v.cpu_offload else st["params"] + st["grads"] + st["optimizer"]
         rows.append((on_gpu + act + buffers, st, act, buffers))
     worst = max(range(len(rows)), key=lambda i: rows[i][0])
@@ -102,7 +109,8 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup) -> tuple[dict[str, i
     memory = {"params": 0 if offloaded else st["params"],
               "grads": 0 if offloaded else st["grads"],
               "optimizer": 0 if offloaded else st["optimizer"],
-              "activations": int(act), "buffers": int(buffers)}
+              "activations": int(act), "buffers": int(buffers),
+              "reserve": int(ALLOCATOR_RESERVE * (act + buffers))}
     memory["total"] = sum(memory.values())
     return memory, worst
 
@@ -139,13 +147,14 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                     "intra_node_gbps": gpu.intra_bw / 1e9, "network_gbps": gpu.inter_bw / 1e9,
                     "source": gpu.source},
             "usable_hbm_fraction": USABLE_HBM,
+            "allocator_reserve": ALLOCATOR_RESERVE,
             "matmul_efficiency": timing["efficiency"],
             "efficiency_curve": {"e_max": eff.ceiling(gpu.name), "x0": eff.x0,
                                  "comm_eff": eff.comm_eff,
                                  "calibrated_on_this_gpu": eff.calibrated(gpu.name)},
             "cpu_offload": offloaded,
-            # steps whose capabilities the model does not know, and cpu_offload's host
-            # transfers and CPU optimizer step (its memory is priced: nothing on the GPU)
+            # plugins that declare no cost, and cpu_offload's host transfers and CPU
+            # optimizer step (its memory is priced: nothing on the GPU)
             "not_priced": list(v.unknown) + (["cpu_offload transfers"] if offloaded else []),
             "model": {"architecture": shape.architecture, "parameters": shape.n_params,
                       "active_parameters_per_token": shape.active_params_per_token()},
@@ -153,15 +162,13 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     }
 
 
-def load(pipeline_or_path):
-    from ..train.config import load_pipeline, loads_pipeline
-
-    if isinstance(pipeline_or_path, (str, Path)):
-        text = str(pipeline_or_path)
-        if "\n" in text or "[" in text and not Path(text).exists():
-            return loads_pipeline(text)
-        return load_pipeline(pipeline_or_path)
-    return pipeline_or_path
+def loaded(pipeline) -> Any:
+    """``pipeline`` if it is a loaded pipeline (what ``shardgraph.load_pipeline`` returns);
+    the planner reads no files of its own."""
+    if isinstance(pipeline, (str, Path)):
+        raise TypeError("the planner takes a loaded pipeline: pass "
+                        "shardgraph.load_pipeline(path) (or loads_pipeline(text))")
+    return pipeline
 
 
 def context(pipeline, world_size: int, gpus_per_node: int | None, gpu: str | None):
@@ -173,13 +180,13 @@ def context(pipeline, world_size: int, gpus_per_node: int | None, gpu: str | Non
 
 def estimate(pipeline, world_size: int, *, gpus_per_node: int | None = None,
              gpu: str | None = None, efficiency: Efficiency | None = None,
-             world_key: str = "world_size") -> dict[str, Any]:
-    """Estimate the plan of ``pipeline`` (a path, TOML text or a loaded pipeline) at
-    ``world_size``: raises ``PlanError`` for a plan that does not compile or does not fit the
-    model, else returns the estimate's keys (see ``evaluate``)."""
+             world_key: str = "world_size", registry=None) -> dict[str, Any]:
+    """Estimate the plan of a loaded ``pipeline`` at ``world_size``: raises ``PlanError`` for a
+    plan that does not compile or does not fit the model, else returns the estimate's keys
+    (see ``evaluate``). ``registry``: the plugins to compile with (default: the process's)."""
     from .calibration import FITTED
 
-    pipeline = load(pipeline)
+    pipeline = loaded(pipeline)
     gpn, chip = context(pipeline, world_size, gpus_per_node, gpu)
     graph = pipeline.graph
     if graph.world_size is not None and graph.world_size != world_size:
@@ -187,7 +194,7 @@ def estimate(pipeline, world_size: int, *, gpus_per_node: int | None = None,
                                    f"the pipeline is laid out for mesh.world_size = "
                                    f"{graph.world_size}, not {world_size}",
                                    hint=f"use {graph.world_size} or remove mesh.world_size")])
-    plan = graph.compile(world_size=world_size, gpus_per_node=gpn)
+    plan = graph.compile(world_size=world_size, gpus_per_node=gpn, registry=registry)
     v = plan_view(plan)
     shape = model_shape(pipeline.model)
     setup = setup_of(pipeline)

@@ -33,18 +33,26 @@ from .predict import (
     context,
     evaluate,
     fits,
+    loaded,
     model_violations,
     setup_of,
 )
+from ..core.layout import MeshLayout, Settings
+from ..graphs.toml import graph_from_dict
+from ..plugins import default_registry
 from .memory import state_bytes
 from .shape import ModelShape, model_shape
-from .view import SCHEDULES, PlanView, Setup, plan_view
+from .view import PlanView, Setup, declared, plan_view, provider, view_of
 
-#: schedule name -> torch class (the names pp accepts; one spelling each)
-AUTO_SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
-                  "interleaved_1f1b": "ScheduleInterleaved1F1B",
-                  "zero_bubble": "ScheduleInterleavedZeroBubble",
-                  "v_schedule": "ScheduleZBVZeroBubble"}
+#: the pipeline schedules tried (values of the pipeline plugin's ``schedule`` option); the
+#: plugin's own ``check`` says which numbers of micro-batches each accepts
+AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "v_schedule")
+#: the role each part of a candidate plays -> the capability whose provider plays it (the
+#: search finds plugins by what they declare, never by name)
+ROLES = {"fsdp2": "fully_shard", "hsdp": "hybrid_shard", "tp": "tensor_parallel",
+         "sp": "sequence_parallel", "pp": "pipeline_parallel", "cp": "context_parallel",
+         "ep": "expert_parallel", "ac": "activation_checkpointing",
+         "mp": "precision_policy"}
 #: cp degrees tried at most (all-gather attention keeps whole K/V per rank)
 MAX_CP = 16
 HSDP_LAYOUTS = 64
@@ -67,96 +75,128 @@ class Candidate:
     ac: bool = False
     micro_batch: int = 1  # pp's microbatch_size under pp, else train.micro_batch_size
 
-    def plugins(self, base: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """The graph-form ``[plugins]`` table; options the user gave to plugins kept."""
+    def plugins(self, base: dict[str, dict[str, Any]],
+                names: dict[str, str]) -> dict[str, dict[str, Any]]:
+        """The graph-form ``[plugins]`` table (``names``: role -> plugin, see ``roles``);
+        options the user gave to plugins kept."""
         out: dict[str, dict[str, Any]] = {}
+
+        def put(role: str, **options: Any) -> None:
+            name = names[role]
+            out[name] = {**base.get(name, {}), **options}
+
         if self.strategy:
-            out[self.strategy] = dict(base.get(self.strategy, {}))
+            put(self.strategy)
         if self.dp_replicate > 1:
-            out["hsdp"] = {"size": self.dp_replicate}
+            put("hsdp", size=self.dp_replicate)
         if self.tp > 1:
-            out["tp"] = {**base.get("tp", {}), "size": self.tp}
+            put("tp", size=self.tp)
         if self.sp:
-            out["sp"] = dict(base.get("sp", {}))
+            put("sp")
         if self.pp > 1:
-            out["pp"] = {"size": self.pp, "schedule": self.schedule,
-                         "microbatch_size": self.micro_batch}
+            out[names["pp"]] = {"size": self.pp, "schedule": self.schedule,
+                                "microbatch_size": self.micro_batch}
         if self.cp > 1:
-            out["cp"] = {**base.get("cp", {}), "size": self.cp}
+            put("cp", size=self.cp)
         if self.ep > 1:
-            out["ep"] = {**base.get("ep", {}), "size": self.ep}
+            put("ep", size=self.ep)
         if self.ac:
-            out["activation_checkpointing"] = dict(base.get("activation_checkpointing", {}))
-        if "mixed_precision" in base:
-            out["mixed_precision"] = dict(base["mixed_precision"])
+            put("ac")
+        if names.get("mp") in base:
+            put("mp")
         return out
 
+    def layout(self, world: int, gpn: int) -> MeshLayout:
+        dp = world // (self.tp * self.pp * self.cp)
+        return MeshLayout(world_size=world, gpus_per_node=gpn, pp=self.pp,
+                          dp_replicate=self.dp_replicate, dp_shard=dp // self.dp_replicate,
+                          cp=self.cp, tp=self.tp, ep=self.ep)
 
-def _base_view(pipeline, world: int, gpn: int) -> tuple[PlanView, dict[str, dict[str, Any]]]:
-    """Options of the user's plan that the search keeps: precision, fsdp2's options, ..."""
+
+def roles(registry) -> dict[str, str]:
+    """Role -> the plugin that plays it in this registry: the providers of ``ROLES``'
+    capabilities, and ``ddp`` the data-parallel strategy that shards nothing."""
+    out = {role: p.name for role, cap in ROLES.items() if (p := provider(registry, cap))}
+    plain = next((p for p in registry if "data_parallel" in p.provides
+                  and "sharded_data_parallel" not in p.provides), None)
+    if plain is not None:
+        out["ddp"] = plain.name
+    return out
+
+
+def _base(pipeline) -> dict[str, dict[str, Any]]:
+    """Options of the user's plan that the search keeps: precision, the strategy's options, ..."""
     # the graph's entries: the same for the [plugins] and the [distributed] form
-    base = {e.name: {o: v for o, v in e.options.items() if o != "size"}
+    return {e.name: {o: v for o, v in e.options.items() if o != "size"}
             for e in pipeline.graph.entries}
-    graph = _graph(pipeline, Candidate("fsdp2"), base, world, gpn, None)
-    try:
-        view = plan_view(graph.compile(world_size=world, gpus_per_node=gpn))
-    except PlanError:
-        view = plan_view(_graph(pipeline, Candidate("fsdp2"), {}, world, gpn, None)
-                         .compile(world_size=world, gpus_per_node=gpn))
-    return view, base
 
 
-def _graph(pipeline, cand: Candidate, base, world: int, gpn: int, local_batch: int | None):
-    from ..graphs.toml import graph_from_dict
-
-    graph = graph_from_dict({"plugins": cand.plugins(base),
-                             "mesh": {"world_size": world, "gpus_per_node": gpn}})
+def _graph(registry, names, cand: Candidate, base, world: int, gpn: int,
+           local_batch: int | None):
+    graph = graph_from_dict({"plugins": cand.plugins(base, names),
+                             "mesh": {"world_size": world, "gpus_per_node": gpn}},
+                            registry=registry)
     if local_batch is not None and cand.pp > 1:
         graph.local_batch_size = local_batch  # lets pp's check run the schedule's rules
     return graph
 
 
-def _view(base: PlanView, c: Candidate, world: int, gpn: int, rafp: bool | None) -> PlanView:
-    dp = world // (c.tp * c.pp * c.cp)
-    return attrs.evolve(
-        base, world=world, gpus_per_node=gpn, pp=c.pp, dp_replicate=c.dp_replicate,
-        dp_shard=dp // c.dp_replicate, cp=c.cp, tp=c.tp, ep=c.ep,
-        strategy=("fully_shard" if c.strategy == "fsdp2" else "replicate")
-        if world > 1 and c.strategy else None,
-        sp=c.sp, ac=c.ac,
-        reshard_after_forward=(c.pp == 1) if rafp is None else bool(rafp),
-        schedule=AUTO_SCHEDULES.get(c.schedule) if c.pp > 1 else None,
-        stages_per_rank=SCHEDULES[AUTO_SCHEDULES[c.schedule]][0] if c.pp > 1 else 1,
-        microbatch_size=c.micro_batch if c.pp > 1 else None, layers_per_stage=None)
+class _Views:
+    """Candidate -> PlanView from the plugins' cost declarations on its layout, cached."""
+
+    def __init__(self, registry, names, base, world: int, gpn: int):
+        self.registry, self.names, self.base = registry, names, base
+        self.world, self.gpn = world, gpn
+        self.costs: dict = {}
+        self.views: dict[Candidate, PlanView] = {}
+
+    def __call__(self, c: Candidate) -> PlanView:
+        key = c if c.pp > 1 else attrs.evolve(c, micro_batch=0)
+        found = self.views.get(key)
+        if found is None:
+            layout = c.layout(self.world, self.gpn)
+            cost, unpriced = declared(self.registry, c.plugins(self.base, self.names), layout,
+                                      self.costs)
+            found = self.views[key] = view_of(layout, cost, unpriced)
+        return found
 
 
-def _pp_options(shape: ModelShape, setup: Setup, world: int, tp: int,
-                cp: int) -> list[tuple[int, str | None, list[int]]]:
-    """(pp, schedule, pipeline micro-batch sizes torch accepts) for every pp degree."""
-    from ..parallelisms.pp import PPOptions, microbatch_violations, schedule
-
+def _pp_options(registry, names, shape: ModelShape, setup: Setup, world: int, tp: int,
+                cp: int, cache: dict) -> list[tuple[int, str | None, list[int]]]:
+    """(pp, schedule, pipeline micro-batch sizes the pipeline plugin's check accepts) for
+    every pp degree."""
     out: list[tuple[int, str | None, list[int]]] = []
     rest = world // (tp * cp)
+    plugin = registry.get(names["pp"]) if "pp" in names else None
     for pp in _divisors(rest):
         if pp == 1:
             out.append((1, None, []))
             continue
-        if pp > shape.layers or shape.tied:
+        if plugin is None or pp > shape.layers or shape.tied:
             continue
         dp = rest // pp
         if setup.global_batch % dp:
             continue
         lb = setup.global_batch // dp
-        for name, cls in AUTO_SCHEDULES.items():
-            per_rank = SCHEDULES[cls][0]
-            if pp * per_rank > shape.layers:
-                continue
-            sizes = [m for m in _divisors(lb) if not microbatch_violations(
-                PPOptions(size=pp, schedule=name, microbatch_size=m), schedule(name),
-                pp * per_rank, lb, ())]
-            if sizes:
-                out.append((pp, name, sizes))
+        for name in AUTO_SCHEDULES:
+            key = (pp, name, lb)
+            if key not in cache:
+                cache[key] = _accepted(plugin, pp, name, lb, shape.layers)
+            if cache[key]:
+                out.append((pp, name, cache[key]))
     return out
+
+
+def _accepted(plugin, pp: int, schedule: str, local: int, layers: int) -> list[int]:
+    layout = MeshLayout(world_size=pp, pp=pp)
+    options = plugin.options(size=pp, schedule=schedule)
+    pipe = plugin.cost(options, layout).pipeline if plugin.cost else None
+    if pipe is None or pp * pipe.stages_per_rank > layers:
+        return []  # a pipeline that declares no cost is not searched
+    settings = Settings(local_batch_size=local)
+    check = plugin.check or (lambda *_: [])
+    return [m for m in _divisors(local) if not check(
+        attrs.evolve(options, microbatch_size=m), layout, settings)]
 
 
 def _micro_choices(sizes: list[int], fits) -> list[int]:
@@ -176,32 +216,37 @@ def _micro_choices(sizes: list[int], fits) -> list[int]:
 
 
 def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
+                         registry, names: dict[str, str],
                          allow_ddp: bool = True) -> list[tuple[Candidate, list[int]]]:
-    """Every layout (hsdp aside) with the micro-batch sizes it may take."""
+    """Every layout (hsdp aside) with the micro-batch sizes it may take; a role no registered
+    plugin plays is not tried."""
     out = []
     if world == 1:
         return [(Candidate(None), _divisors(setup.global_batch))]
+    allow_ddp = allow_ddp and "ddp" in names
+    pp_cache: dict = {}
     for tp in _divisors(gpn):
-        if world % tp:
+        if world % tp or (tp > 1 and "tp" not in names):
             continue
         probe = PlanView(world, gpn, 1, 1, world // tp, 1, tp, 1, "fully_shard", False, False,
                          False, 0, 0, True, False, True, None, 1, None, None)
         if model_violations(shape, probe, setup):
             continue
         for cp in _divisors(world // tp):
-            if cp > MAX_CP or setup.seq_len % (2 * cp):
+            if cp > MAX_CP or setup.seq_len % (2 * cp) or (cp > 1 and "cp" not in names):
                 continue
-            for pp, sched, pp_sizes in _pp_options(shape, setup, world, tp, cp):
+            for pp, sched, pp_sizes in _pp_options(registry, names, shape, setup, world, tp, cp,
+                                                   pp_cache):
                 dp = world // (tp * cp * pp)
                 if setup.global_batch % dp:
                     continue
                 local = setup.global_batch // dp
                 sizes = pp_sizes if pp > 1 else _divisors(local)
                 eps = [e for e in _divisors(shape.experts) if (dp * cp) % e == 0] \
-                    if shape.is_moe else [1]
+                    if shape.is_moe and "ep" in names else [1]
                 for ep in eps:
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        for ac in (False, True):
+                    for sp in ((False, True) if tp > 1 and "sp" in names else (False,)):
+                        for ac in ((False, True) if "ac" in names else (False,)):
                             out.append((Candidate("fsdp2", tp, sp, pp, sched, cp, ep, 1, ac,
                                                   0), sizes))
                             if allow_ddp and tp == pp == cp == ep == 1:
@@ -211,70 +256,72 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
 
 def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
              gpu: str | None = None, top: int = 5, efficiency: Efficiency | None = None,
-             compile_all: bool = False) -> dict[str, Any]:
-    """The best ``top`` plans for ``pipeline``'s model on ``world_size`` GPUs, best first:
-    ``{"candidates": [estimate + pipeline], "searched": counts, "why": [...]}``."""
+             compile_all: bool = False, registry=None) -> dict[str, Any]:
+    """The best ``top`` plans for a loaded ``pipeline``'s model on ``world_size`` GPUs, best
+    first: ``{"candidates": [estimate + pipeline], "searched": counts, "why": [...]}``.
+    ``registry``: the plugins to build plans from (default: the process's)."""
     from .calibration import FITTED
-    from .predict import load
 
     began = time.perf_counter()
     eff = efficiency or FITTED
-    pipeline = load(pipeline)
+    pipeline = loaded(pipeline)
+    registry = registry or default_registry()
+    names = roles(registry)
     gpn, chip = context(pipeline, world_size, gpus_per_node, gpu)
     shape = model_shape(pipeline.model)
     setup = setup_of(pipeline)
-    base_view, base = _base_view(pipeline, world_size, gpn)
-    rafp = base.get("fsdp2", {}).get("reshard_after_forward")
+    base = _base(pipeline)
+    view = _Views(registry, names, base, world_size, gpn)
     limit = USABLE_HBM * chip.hbm_bytes
     counts = {"layouts": 0, "estimated": 0, "fit": 0, "compiled": 0, "refused": 0}
-    scored: list[tuple[float, Candidate, dict[str, Any]]] = []
+    scored: list[tuple[float, float, Candidate, dict[str, Any]]] = []
 
     def setup_for(c: Candidate) -> Setup:
         # train.micro_batch_size is the candidate's, except under pp (its own microbatches)
         return attrs.evolve(setup, micro_batch=c.micro_batch if c.pp == 1 else None)
 
     def score(c: Candidate) -> dict[str, Any] | None:
-        v = _view(base_view, c, world_size, gpn, rafp)
         counts["estimated"] += 1
-        est = evaluate(shape, v, setup_for(c), chip, eff)
+        est = evaluate(shape, view(c), setup_for(c), chip, eff)
         if not est["fits"]:
             return None
         counts["fit"] += 1
-        scored.append((est["tokens_per_s_per_gpu"], c, est))
+        # faster first; of equally fast plans, the one that needs less memory
+        scored.append((-est["tokens_per_s_per_gpu"], est["memory_bytes_per_rank"]["total"], c,
+                       est))
         return est
 
-    for cand, sizes in enumerate_candidates(shape, setup, world_size, gpn):
+    for cand, sizes in enumerate_candidates(shape, setup, world_size, gpn, registry, names):
         counts["layouts"] += 1
-        view0 = _view(base_view, attrs.evolve(cand, micro_batch=max(sizes)), world_size, gpn,
-                      rafp)
+        view0 = view(attrs.evolve(cand, micro_batch=max(sizes)))
         if sum(state_bytes(shape, view0, setup_for(cand))[0][k] for k in ("params", "grads",
                                                                  "optimizer")) > limit:
             continue  # the states alone do not fit: no micro-batch helps
 
         def fit(m: int, cand=cand) -> bool:
             c = attrs.evolve(cand, micro_batch=m)
-            return fits(shape, _view(base_view, c, world_size, gpn, rafp), setup_for(c), chip)
+            return fits(shape, view(c), setup_for(c), chip)
 
         for m in _micro_choices(sizes, fit):
             score(attrs.evolve(cand, micro_batch=m))
     # hsdp on the best layouts: replicate across nodes, shard inside
-    scored.sort(key=lambda s: -s[0])
-    for _, c, _ in scored[:HSDP_LAYOUTS]:
-        if c.strategy != "fsdp2":
+    scored.sort(key=_rank)
+    for *_, c, _ in scored[:HSDP_LAYOUTS]:
+        if c.strategy != "fsdp2" or "hsdp" not in names:
             continue
         dp = world_size // (c.tp * c.pp * c.cp)
         for r in _divisors(dp):
             if 1 < r < dp and (dp // r * c.cp) % c.ep == 0 and (dp * c.cp) % c.ep == 0:
                 score(attrs.evolve(c, dp_replicate=r))
-    scored.sort(key=lambda s: -s[0])
+    scored.sort(key=_rank)
     results = []
-    for tps, cand, est in scored:
+    for *_, cand, est in scored:
         if len(results) >= top and not compile_all:
             break
         local = setup.global_batch // (world_size // (cand.tp * cand.pp * cand.cp))
-        graph = _graph(pipeline, cand, base, world_size, gpn, local)
+        graph = _graph(registry, names, cand, base, world_size, gpn, local)
         try:
-            plan = graph.compile(world_size=world_size, gpus_per_node=gpn)
+            plan = graph.compile(world_size=world_size, gpus_per_node=gpn, registry=registry)
         except PlanError:
             counts["refused"] += 1
             continue
@@ -284,7 +331,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
                 model_violations(shape, v, setup):
             counts["refused"] += 1
             continue
-        results.append(_row(cand, est, base, world_size, gpn))
+        results.append(_row(cand, est, base, names, world_size, gpn))
     if not results:
         raise PlanError([Violation(
             "no-plan", ("--world-size", "train.global_batch_size"),
@@ -295,22 +342,28 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             "divisors")])
     counts["seconds"] = round(time.perf_counter() - began, 3)
     return {"candidates": results[:top] if not compile_all else results, "searched": counts,
-            "why": _why(results[: max(top, 2)])}
+            "why": _why(results[:top] if not compile_all else results)}
 
 
-def _row(cand: Candidate, est: dict[str, Any], base, world: int, gpn: int) -> dict[str, Any]:
-    pipeline: dict[str, Any] = {"plugins": cand.plugins(base),
+def _rank(scored: tuple) -> tuple[float, float]:
+    """Faster first; ties (the same predicted speed to six figures) by lower memory."""
+    return float(f"{scored[0]:.6g}"), scored[1]
+
+
+def _row(cand: Candidate, est: dict[str, Any], base, names, world: int,
+         gpn: int) -> dict[str, Any]:
+    pipeline: dict[str, Any] = {"plugins": cand.plugins(base, names),
                                 "mesh": {"world_size": world, "gpus_per_node": gpn}}
     row = dict(est)
     row["pipeline"] = pipeline
     if cand.pp == 1:
         row["train"] = {"micro_batch_size": cand.micro_batch}
-    row["summary"] = summary(cand)
+    row["summary"] = summary(cand, names)
     return row
 
 
-def summary(c: Candidate) -> str:
-    parts = [c.strategy or "one GPU"]
+def summary(c: Candidate, names: dict[str, str]) -> str:
+    parts = [names.get(c.strategy, c.strategy) if c.strategy else "one GPU"]
     if c.dp_replicate > 1:
         parts.append(f"hsdp {c.dp_replicate}")
     if c.tp > 1:
@@ -335,63 +388,30 @@ def _parts(est: dict[str, Any]) -> dict[str, float]:
 
 
 def _why(rows: list[dict[str, Any]]) -> list[str]:
-    """For each runner-up: how much slower than the best, and the part of the step that
-    makes most of the difference."""
-    if len(rows) < 2:
+    """One line per candidate: for the best, what it spends its step on; for each runner-up,
+    how much slower than the best and the parts of the step that make the difference, or, for
+    a tie, that it is one and how much more memory it needs."""
+    if not rows:
         return []
     best = rows[0]
-    out = []
     a = _parts(best)
+    top = max(a, key=lambda k: a[k])
+    out = [f"#1 ({best['summary']}) is the fastest: {top} {a[top]:.3f} s of its "
+           f"{best['step_time_s']:.3f} s step"]
     for i, row in enumerate(rows[1:], start=2):
         b = _parts(row)
+        loss = 1 - row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
+        more = (row["memory_bytes_per_rank"]["total"]
+                - best["memory_bytes_per_rank"]["total"]) / 2**30
+        if abs(loss) < 5e-6:
+            out.append(f"#{i} ({row['summary']}) ties with #1 on speed and needs {more:+.1f} GiB "
+                       f"per rank: the tie goes to less memory")
+            continue
         diffs = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
         # the two parts that moved most, with their signs: a plan may lose on one part what it
         # wins on another
         moved = sorted(diffs, key=lambda k: -abs(diffs[k]))[:2]
-        loss = 1 - row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
-        parts = ", ".join(f"{k} {diffs[k]:+.3f} s" for k in moved if diffs[k])
+        parts = ", ".join(f"{k} {diffs[k]:+.3f} s" for k in moved if abs(diffs[k]) >= 5e-4)
         out.append(f"#{i} ({row['summary']}) is {loss:.1%} slower per step: "
-                   f"{parts or 'the same parts'}")
+                   f"{parts or 'the same parts, rounded'}")
     return out
-
-
-def render_candidates(result: dict[str, Any]) -> str:
-    from .cli import memory_lines, time_lines
-
-    rows = result["candidates"]
-    lines = [f"{'#':>2}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'step s':>8}  {'GiB/rank':>8}  plan"]
-    for i, r in enumerate(rows, start=1):
-        lines.append(f"{i:>2}  {r['tokens_per_s_per_gpu']:>12,.0f}  {r['mfu']:>6.1%}  "
-                     f"{r['step_time_s']:>8.3f}  "
-                     f"{r['memory_bytes_per_rank']['total'] / 2**30:>8.1f}  {r['summary']}")
-    c = result["searched"]
-    lines += ["", f"searched {c['layouts']} layouts, estimated {c['estimated']} plans, "
-              f"{c['fit']} fit; compiled {c['compiled']} (refused {c['refused']}) in "
-              f"{c.get('seconds', 0):.2f} s", "", "best plan:"]
-    best = rows[0]
-    lines += ["  " + line for line in _toml(best).splitlines()]
-    lines += ["", *memory_lines(best), "", *time_lines(best)]
-    if result["why"]:
-        lines += ["", "why the next ones lose:", *("  " + w for w in result["why"])]
-    return "\n".join(lines)
-
-
-def _toml(row: dict[str, Any]) -> str:
-    out = []
-    tables = dict(row["pipeline"]["plugins"])
-    for name, opts in tables.items():
-        out.append(f"[plugins.{name}]")
-        out += [f"{k} = {_value(v)}" for k, v in opts.items()]
-    out.append("[mesh]")
-    out += [f"{k} = {v}" for k, v in row["pipeline"]["mesh"].items()]
-    if "train" in row:
-        out.append(f"# and in [train]: micro_batch_size = {row['train']['micro_batch_size']}")
-    return "\n".join(out)
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return f'"{v}"'
-    return str(v)

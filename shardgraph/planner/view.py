@@ -1,5 +1,6 @@
-"""What the cost model needs from a compiled plan, read through the capabilities its steps
-declare (never a plugin's name), and the training settings of the pipeline file."""
+"""What the cost model needs from a compiled plan, folded from the ``cost`` records its steps'
+plugins declare (``core.costs``; never a plugin's name or module), and the training settings of
+the pipeline file."""
 
 from __future__ import annotations
 
@@ -7,23 +8,11 @@ from typing import Any
 
 import attrs
 
-#: bytes of the dtypes mixed precision may name
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+from ..core.costs import Comm, Cost, PipelineCost
+from ..core.options import structure_options
 
-#: pp schedules: (virtual stages per rank by default, V placement, bubble factor relative to
-#: 1F1B's (pp - 1) / microbatches, in-flight microbatches as a multiple of pp on stage 0)
-SCHEDULES = {
-    "Schedule1F1B": (1, False, 1.0, 1.0),
-    "ScheduleGPipe": (1, False, 1.0, None),  # None: every microbatch in flight
-    "ScheduleInterleaved1F1B": (2, False, 1.0, 1.0),
-    "ScheduleLoopedBFS": (2, False, 1.0, None),
-    # zero-bubble schedules split the weight gradient out of backward and fill the bubble
-    # with it; Qi et al. (ICLR 2024) report about a third of 1F1B's bubble left
-    "ScheduleInterleavedZeroBubble": (2, False, 1 / 3, 1.0),
-    "ScheduleZBVZeroBubble": (2, True, 1 / 3, 1.0),
-    "ScheduleDualPipeV": (2, True, 1 / 3, 1.0),
-}
-
+#: ``Cost.states`` -> the strategy names the cost model uses
+STRATEGIES = {"sharded": "fully_shard", "flat": "sharded", "replicated": "replicate"}
 
 @attrs.frozen
 class Setup:
@@ -55,11 +44,26 @@ class PlanView:
     cpu_offload: bool
     #: gradients reduced once per step, after the last micro-batch (fsdp2's default)
     defer_grad_sync: bool
-    schedule: str | None
+    schedule: str | None  # the pipeline schedule's torch class, for display
     stages_per_rank: int
     microbatch_size: int | None  # pp's
     layers_per_stage: int | None
-    unknown: tuple[str, ...] = ()  # steps whose capabilities the model does not price
+    unknown: tuple[str, ...] = ()  # plugins of the plan that declare no cost
+    pipeline: PipelineCost | None = None
+    comms: tuple[Comm, ...] = ()
+    recompute: float = 0.0
+    attention_imbalance: float = 1.0
+    compute_speedup: float = 1.0
+    activation_scale: float = 1.0
+    memory_bytes: float = 0.0
+    #: gradient reductions overlap backward (torch's DDP and FSDP2; Megatron-LM 2021 did not)
+    overlap_grad_reduce: bool = True
+    #: attention without materialised scores (flash attention, torch's SDPA)
+    fused_attention: bool = True
+    #: norms, activations and residuals in fused kernels (torch.compile, Megatron's kernels)
+    fused_elementwise: bool = False
+    #: pipeline sends split over tp and gathered after (Megatron-LM's scatter/gather)
+    p2p_split_over_tp: bool = False
 
     @property
     def dp(self) -> int:
@@ -77,66 +81,105 @@ class PlanView:
         return inner > self.gpus_per_node
 
 
-def _provides(plan, step) -> frozenset[str]:
-    try:
-        return frozenset(plan.registry.get(step.plugin).provides)
-    except Exception:  # an unregistered step has no declarations to read
-        return frozenset()
+def step_costs(plan) -> tuple[list[Cost], list[str]]:
+    """The cost record of every step of ``plan`` and of the policies its steps consume (those
+    run no step of their own), and the plugins that declare none."""
+    costs, unpriced, seen = [], [], set()
+
+    def one(name: str, options: Any) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        try:
+            hook = plan.registry.get(name).cost
+        except Exception:  # an unregistered step has no declaration to read
+            hook = None
+        if hook is None:
+            unpriced.append(name)
+        else:
+            costs.append(hook(options, plan.layout))
+
+    for step in plan.steps:
+        one(step.plugin, step.options)
+        for _cap, name, options in step.inputs:
+            one(name, options)
+    return costs, unpriced
 
 
-KNOWN = {"data_parallel", "sharded_data_parallel", "fully_shard", "hybrid_shard",
-         "tensor_parallel", "sequence_parallel", "context_parallel", "pipeline_parallel",
-         "expert_parallel", "model_parallel", "activation_checkpointing", "precision_policy"}
+def fold(costs: list[Cost]) -> Cost:
+    """One record for the plan: each field from the step that sets it (comms add up)."""
+    out: dict[str, Any] = {}
+    comms: list[Comm] = []
+    defaults = Cost()
+    for c in costs:
+        for field in attrs.fields(Cost):
+            value = getattr(c, field.name)
+            if field.name == "comms":
+                comms.extend(value)
+            elif value != getattr(defaults, field.name):
+                out[field.name] = value
+    return Cost(**{**out, "comms": tuple(comms)})
+
+
+def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
+    """The PlanView of a mesh layout and a folded cost record."""
+    pipe = cost.pipeline if layout.pp > 1 else None
+    return PlanView(
+        world=layout.world_size, gpus_per_node=layout.gpus_per_node, pp=layout.pp,
+        dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp,
+        tp=layout.tp, ep=layout.ep,
+        strategy=STRATEGIES.get(cost.states) if layout.world_size > 1 else None,
+        sp=cost.splits_sequence and layout.tp > 1,
+        ac=cost.recompute > 0,
+        loss_parallel=cost.loss_parallel,
+        compute_bytes=cost.compute_bytes, reduce_bytes=cost.reduce_bytes,
+        reshard_after_forward=(layout.pp == 1 if cost.reshard_after_forward is None
+                               else cost.reshard_after_forward),
+        cpu_offload=cost.cpu_offload,
+        defer_grad_sync=True if cost.defer_grad_sync is None else cost.defer_grad_sync,
+        schedule=pipe.schedule if pipe else None,
+        stages_per_rank=pipe.stages_per_rank if pipe else 1,
+        microbatch_size=pipe.microbatch_size if pipe else None,
+        layers_per_stage=pipe.layers_per_stage if pipe else None,
+        unknown=unknown, pipeline=pipe, comms=cost.comms, recompute=cost.recompute,
+        attention_imbalance=cost.attention_imbalance, compute_speedup=cost.compute_speedup,
+        activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
+        overlap_grad_reduce=cost.overlap_grad_reduce is not False,
+        fused_elementwise=cost.fused_elementwise)
 
 
 def plan_view(plan) -> PlanView:
-    lay = plan.layout
-    caps: dict[str, Any] = {}
-    unknown = []
-    for step in plan.steps:
-        provided = _provides(plan, step)
-        for cap in provided:
-            caps[cap] = step.options
-        if not provided & KNOWN:
-            unknown.append(step.plugin)
-        # a consumed policy (mixed precision) is no step of its own: its options ride along
-        for cap, _name, options in step.inputs:
-            caps.setdefault(cap, options)
-    strategy = None
-    if "fully_shard" in caps:
-        strategy = "fully_shard"
-    elif "sharded_data_parallel" in caps:
-        strategy = "sharded"
-    elif "data_parallel" in caps:
-        strategy = "replicate"
-    mp = caps.get("precision_policy")
-    dp_opts = caps.get("data_parallel")
-    pp = caps.get("pipeline_parallel")
-    sched = None
-    per_rank = 1
-    if pp is not None and lay.pp > 1:
-        from ..parallelisms.pp import schedule as find
+    costs, unpriced = step_costs(plan)
+    return view_of(plan.layout, fold(costs), tuple(unpriced))
 
-        found = find(pp.schedule)
-        sched = found.torch_class if found else None
-        default = SCHEDULES.get(sched, (1,))[0]
-        per_rank = pp.stages_per_rank or default
-    rafp = getattr(dp_opts, "reshard_after_forward", None)
-    return PlanView(
-        world=lay.world_size, gpus_per_node=lay.gpus_per_node, pp=lay.pp,
-        dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp, tp=lay.tp, ep=lay.ep,
-        strategy=strategy if lay.world_size > 1 else None,
-        sp="sequence_parallel" in caps and lay.tp > 1,
-        ac="activation_checkpointing" in caps,
-        loss_parallel=bool(getattr(caps.get("tensor_parallel"), "loss_parallel", False)),
-        compute_bytes=DTYPE_BYTES.get(getattr(mp, "param_dtype", None), 0),
-        reduce_bytes=DTYPE_BYTES.get(getattr(mp, "reduce_dtype", None), 0),
-        # fsdp2's default: resharded after forward, except under pp (SPEC, fsdp2 options)
-        reshard_after_forward=(lay.pp == 1) if rafp is None else bool(rafp),
-        cpu_offload=bool(getattr(dp_opts, "cpu_offload", False)),
-        defer_grad_sync=bool(getattr(dp_opts, "defer_fsdp_grad_sync", True)),
-        schedule=sched, stages_per_rank=per_rank,
-        microbatch_size=getattr(pp, "microbatch_size", None) if lay.pp > 1 else None,
-        layers_per_stage=getattr(pp, "layers_per_stage", None) if lay.pp > 1 else None,
-        unknown=tuple(unknown),
-    )
+
+def provider(registry, capability: str):
+    """The first registered plugin that provides ``capability`` (None: none does)."""
+    return next((p for p in registry if capability in p.provides), None)
+
+
+def declared(registry, plugins: dict[str, dict[str, Any]], layout,
+             cache: dict | None = None) -> tuple[Cost, tuple[str, ...]]:
+    """The folded cost of a ``[plugins]`` table on ``layout`` without compiling it, and the
+    plugins that declare none (the search prices candidates so, then compiles the best).
+    ``cache`` keeps each (plugin, options, layout)'s record across calls."""
+    cache = {} if cache is None else cache
+    costs, unpriced = [], []
+    for name, options in plugins.items():
+        key = (name, _frozen(options), layout)
+        if key not in cache:
+            plugin = registry.get(name)
+            value = None
+            if plugin.cost is not None:
+                built, bad = structure_options(plugin.options, options, str, name)
+                value = None if bad else plugin.cost(built, layout)
+            cache[key] = value
+        if cache[key] is None:
+            unpriced.append(name)
+        else:
+            costs.append(cache[key])
+    return fold(costs), tuple(unpriced)
+
+
+def _frozen(options: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in options.items()))

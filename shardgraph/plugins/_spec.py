@@ -56,6 +56,9 @@ LossContext = Callable[[Any], Any]
 #: one rank issue per optimizer step (``core.values.Collective``; ``batch``: ``BatchShape``),
 #: counted from what its ``apply`` built; the dry run and the planner read them.
 Collectives = Callable[["nn.Module", Any, "MeshContext", dict[str, Any], Any], list[Any]]
+#: ``cost(options, layout) -> core.costs.Cost``: the step's memory effect and communication in
+#: the planner's terms, without torch; the planner prices a plan from these alone.
+CostHook = Callable[[Any, "MeshLayout"], Any]
 
 #: The argument names of every hook, checked when a plugin is registered (as pluggy checks
 #: hook implementations against their specs): a wrong hook fails on load, not mid-``apply``.
@@ -68,6 +71,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "export": ("options", "layout", "inputs"),
     "loss_context": ("options",),
     "collectives": ("model", "options", "ctx", "inputs", "batch"),
+    "cost": ("options", "layout"),
 }
 
 
@@ -142,6 +146,7 @@ class Plugin:
     export: Export | None = attrs.field(default=None, eq=False)
     loss_context: LossContext | None = attrs.field(default=None, eq=False)
     collectives: Collectives | None = attrs.field(default=None, eq=False)
+    cost: CostHook | None = attrs.field(default=None, eq=False)
     keeps_fqns: bool = True
     #: ``apply`` needs parameters with storage (DDP broadcasts and buckets them): on a model
     #: built on ``meta`` the plan materialises the parameters before this step.

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..core.axes import Axis
+from ..core.costs import Cost
 from ..core.values import BatchShape, collective
 from ..plugins import Kind, Plugin
 
@@ -59,6 +60,10 @@ def _grad_sync(model: nn.Module, options: DDPOptions, enabled: bool) -> None:
         model.require_backward_grad_sync = enabled
 
 
+def _cost(options: DDPOptions, layout) -> Cost:
+    return Cost(states="replicated")
+
+
 PLUGIN = Plugin(
     name="ddp",
     kind=Kind.STRATEGY,
@@ -66,6 +71,7 @@ PLUGIN = Plugin(
     axis=Axis.DP,
     mesh_axes=(Axis.DP,),
     provides={"data_parallel"},
+    cost=_cost,
     conflicts={"model_parallel", "hybrid_shard"},
     apply=_apply,
     grad_sync=_grad_sync,

@@ -9,6 +9,7 @@ import attrs
 
 from ..core.axes import Axis
 from ..core.blocks import blocks_violation, find_blocks
+from ..core.costs import Cost
 from ..core.values import (
     FULL_PRECISION,
     BatchShape,
@@ -137,12 +138,20 @@ def _grad_sync(model: nn.Module, options: FSDP2Options, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
+def _cost(options: FSDP2Options, layout) -> Cost:
+    rafp = options.reshard_after_forward
+    return Cost(states="sharded", cpu_offload=options.cpu_offload,
+                reshard_after_forward=layout.pp == 1 if rafp is None else rafp,
+                defer_grad_sync=options.defer_fsdp_grad_sync)
+
+
 PLUGIN = Plugin(
     name="fsdp2",
     kind=Kind.STRATEGY,
     options=FSDP2Options,
     axis=Axis.DP_SHARD,
     provides={"data_parallel", "sharded_data_parallel", "fully_shard"},
+    cost=_cost,
     consumes={"precision_policy"},
     reads={"pipeline_parallel"},  # the stages to wrap as roots
     model_check=_model_check,

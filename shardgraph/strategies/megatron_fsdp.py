@@ -13,6 +13,7 @@ import attrs
 
 from ..core.axes import Axis
 from ..core.blocks import blocks_violation, find_blocks
+from ..core.costs import Cost
 from ..core.errors import Violation
 from ..plugins import Kind, Plugin
 
@@ -87,6 +88,10 @@ def _apply(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContext, inp
     )
 
 
+def _cost(options: MegatronFSDPOptions, layout) -> Cost:
+    return Cost(states="flat", overlap_grad_reduce=options.overlap_grad_reduce)
+
+
 PLUGIN = Plugin(
     name="megatron_fsdp",
     kind=Kind.STRATEGY,
@@ -94,6 +99,7 @@ PLUGIN = Plugin(
     axis=Axis.DP,
     mesh_axes=(Axis.DP, Axis.CP, Axis.TP),
     provides={"data_parallel", "sharded_data_parallel"},
+    cost=_cost,
     conflicts={"pipeline_parallel", "expert_parallel", "sequence_parallel", "hybrid_shard"},
     check=_check,
     model_check=_model_check,

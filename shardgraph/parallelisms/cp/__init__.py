@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ...core.axes import Axis
+from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
 from ...plugins import Kind, Plugin
@@ -211,12 +212,27 @@ def _prepare_batch(batch: dict[str, Any], options: CPOptions, ctx: MeshContext,
     return shard_batch(batch, ctx.mesh(Axis.CP), options.load_balance)
 
 
+def _cost(options: CPOptions, layout) -> Cost:
+    if options.attention == "allgather":
+        # K/V all-gathered forward, their gradients reduce-scattered backward
+        comms = (Comm("cp", "all_gather", "kv", forward=1),
+                 Comm("cp", "reduce_scatter", "kv", backward=1))
+    else:  # a ring: K/V passed on forward, K/V and their gradients backward
+        comms = (Comm("cp", "ring", "kv", forward=1, backward=2),)
+    # causal attention over contiguous chunks: the last of cp chunks has (2 cp - 1) / cp of
+    # the mean work; the load-balanced split gives every rank an early and a late chunk
+    cp = layout.cp
+    return Cost(splits_context=True, comms=comms,
+                attention_imbalance=1.0 if options.load_balance else (2 * cp - 1) / cp)
+
+
 PLUGIN = Plugin(
     name="cp",
     kind=Kind.PARALLELISM,
     options=CPOptions,
     axis=Axis.CP,
     provides={"context_parallel", "model_parallel"},
+    cost=_cost,
     before={"expert_parallel", "activation_checkpointing", "data_parallel"},
     check=_check,
     model_check=_model_check,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ...core.axes import Axis
+from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.values import BatchShape, Recomputation, ShardUnit, collective
 from ...plugins import Kind, Plugin
@@ -135,12 +136,19 @@ def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs:
                       * batch.act_bytes, "MoE dispatch and combine, forward and backward")
 
 
+def _cost(options, layout) -> Cost:
+    # dispatch and combine of the routed tokens, forward and backward
+    return Cost(comms=(Comm("ep", "all_to_all", "routed", forward=2, backward=2,
+                            per="moe_layer"),))
+
+
 PLUGIN = Plugin(
     name="ep",
     kind=Kind.PARALLELISM,
     options=EPOptions,
     axis=Axis.EP,
     provides={"expert_parallel", "model_parallel"},
+    cost=_cost,
     # The experts get a unit of their own, sharded by the strategy's exported callable (with
     # its precision and offload settings): the strategy must provide one.
     requires={"fully_shard"},

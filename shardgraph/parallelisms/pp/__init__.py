@@ -31,6 +31,7 @@ from __future__ import annotations
 import attrs
 
 from ...core.axes import Axis
+from ...core.costs import Cost, PipelineCost
 from ...core.errors import Violation, choices_hint, did_you_mean
 from ...core.values import Applied, BatchShape, collective
 from ...plugins import Kind, Plugin
@@ -244,6 +245,24 @@ def _collectives(model, options: PPOptions, ctx, inputs, batch: BatchShape) -> l
                       "activations forward and their gradients backward, per stage boundary")
 
 
+#: schedules whose forwards all run before any backward, and those that split backward into
+#: input- and weight-gradient passes (torch's zero-bubble family)
+_FORWARD_FIRST = {"ScheduleGPipe", "ScheduleLoopedBFS"}
+_SPLIT_BACKWARD = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+
+
+def _cost(options: PPOptions, layout) -> Cost:
+    sched = schedule(options.schedule) or _S["Schedule1F1B"]
+    per_rank = (len(options.stages) // max(options.size, 1) if options.stages
+                else options.stages_per_rank or sched.stages_per_rank)
+    return Cost(pipeline=PipelineCost(
+        schedule=sched.torch_class, stages_per_rank=per_rank, v_shape=sched.v_shape,
+        forward_first=sched.torch_class in _FORWARD_FIRST,
+        split_backward=sched.torch_class in _SPLIT_BACKWARD,
+        microbatch_size=options.microbatch_size, layers_per_stage=options.layers_per_stage,
+        split=split_layers))
+
+
 PLUGIN = Plugin(
     name="pp",
     kind=Kind.PARALLELISM,
@@ -256,6 +275,7 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     collectives=_collectives,
+    cost=_cost,
     keeps_fqns=False,
     doc="pipeline parallelism: stages from the model's pp plan, torch pipelining schedules",
 )

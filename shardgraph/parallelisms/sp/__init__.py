@@ -22,6 +22,7 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 from ...core.axes import Axis
+from ...core.costs import Cost
 from ...core.blocks import blocks_violation, find_blocks, input_embeddings
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
@@ -163,11 +164,17 @@ def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
     return args, kwargs
 
 
+def _cost(options, layout) -> Cost:
+    # tp's reductions become all-gathers and reduce-scatters of the same traffic
+    return Cost(splits_sequence=True)
+
+
 PLUGIN = Plugin(
     name="sp",
     kind=Kind.PARALLELISM,
     options=NoOptions,
     provides={"sequence_parallel", "model_parallel"},
+    cost=_cost,
     requires={"tensor_parallel"},
     reads={"tensor_parallel"},  # tp's layout: its residual stream switches to the sequence dim
     after={"tensor_parallel"},

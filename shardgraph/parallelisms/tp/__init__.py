@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ...core.axes import Axis
+from ...core.costs import Comm, Cost
 from ...core.errors import Violation, choices_hint, did_you_mean
 from ...core.lazy import lazy_module
 from ...core.blocks import output_embeddings
@@ -286,6 +287,15 @@ def _retie(model: nn.Module, groups) -> None:
                     module.register_parameter(pname, param)
 
 
+def _cost(options: TPOptions, layout) -> Cost:
+    # two reductions of a block's activations forward (attention, MLP) and two backward; the
+    # whole logits gathered on the last stage unless the loss runs on vocabulary shards
+    comms = [Comm("tp", "all_reduce", "activation", forward=2, backward=2)]
+    if not options.loss_parallel:
+        comms.append(Comm("tp", "all_gather", "logits", forward=1, per="head"))
+    return Cost(loss_parallel=options.loss_parallel, comms=tuple(comms))
+
+
 PLUGIN = Plugin(
     name="tp",
     kind=Kind.PARALLELISM,
@@ -293,6 +303,7 @@ PLUGIN = Plugin(
     axis=Axis.TP,
     within_node=True,
     provides={"tensor_parallel", "model_parallel"},
+    cost=_cost,
     before={"context_parallel", "expert_parallel", "activation_checkpointing", "data_parallel"},
     check=_check,
     model_check=_model_check,

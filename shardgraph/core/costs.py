@@ -1,0 +1,117 @@
+"""What a step costs, in the planner's terms: the record a plugin's torch-free ``cost(options,
+layout)`` hook returns (``Plugin.cost``).
+
+The planner (``shardgraph.planner``) folds the records of a plan's steps into one view of the
+plan and prices that view; it never reads a plugin's module or name. A step whose plugin has no
+``cost`` hook is named in the estimate's ``assumptions.not_priced``.
+
+Sizes are relative to the model, so that a plugin prices itself without knowing it. A
+collective (``Comm``) moves, per micro-batch on this rank:
+
+- ``activation``: the tokens this rank computes x the hidden size, in the compute dtype;
+- ``kv``: the tokens x the key and value width of the block (split over tp);
+- ``routed``: the tokens x top-k x the hidden size (a mixture of experts' dispatch);
+- ``logits``: the tokens x the vocabulary (the LM head's output);
+
+once per block (``per = "layer"``), per mixture-of-experts block (``"moe_layer"``) or once on
+the last pipeline stage (``"head"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+#: what a collective's size is a multiple of
+SIZES = ("activation", "kv", "routed", "logits")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "ring")
+PER = ("layer", "moe_layer", "head")
+
+
+@attrs.frozen
+class Comm:
+    """A collective a step issues on every micro-batch: ``forward`` of them in a block's
+    forward (issued again when the block is recomputed) and ``backward`` in its backward.
+
+    ``kind = "ring"``: ``axis size - 1`` point-to-point exchanges of the size, each overlapped
+    with the attention compute of one chunk (ring attention); only what exceeds that compute is
+    exposed. Every other kind sits on the critical path.
+    """
+
+    axis: str  # the mesh axis whose process group carries it
+    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    size: str = attrs.field(validator=attrs.validators.in_(SIZES))
+    forward: int = 0
+    backward: int = 0
+    per: str = attrs.field(default="layer", validator=attrs.validators.in_(PER))
+
+
+@attrs.frozen
+class PipelineCost:
+    """A pipeline schedule as the planner prices it.
+
+    ``stages_per_rank`` virtual stages per rank, placed looped (rank r holds r, r + pp, ...) or
+    in a V (r and 2 pp - 1 - r); ``forward_first``: every micro-batch's forward runs before any
+    backward (GPipe, looped BFS), so all of them are in flight; ``split_backward``: backward is
+    split into an input-gradient pass and a weight-gradient pass that the schedule moves into
+    the bubble (zero bubble), keeping what the weight pass needs until it runs. Which numbers
+    of micro-batches a schedule accepts stays the plugin's ``check``.
+    """
+
+    schedule: str  # the torch class, for display
+    stages_per_rank: int = 1
+    v_shape: bool = False
+    forward_first: bool = False
+    split_backward: bool = False
+    microbatch_size: int = 1
+    layers_per_stage: int | None = None
+    #: ``split(n_layers, n_stages, layers_per_stage) -> [range]``: the blocks of each stage
+    #: (None: an even split)
+    split: Callable[[int, int, int | None], list[range]] | None = attrs.field(
+        default=None, eq=False)
+
+
+@attrs.frozen
+class Cost:
+    """One step's effect on memory and time. Every field's default is "no effect"; the planner
+    takes each field from the step that sets it.
+
+    ``states``: how the data-parallel strategy holds parameters, gradients and optimizer state:
+    ``"sharded"`` (dim 0 over ``dp_shard x cp``, one unit per block, gathered before use),
+    ``"flat"`` (a flat buffer over ``dp x cp``), ``"replicated"`` (whole copies, gradients
+    all-reduced in buckets overlapped with backward).
+    ``overlap_grad_reduce``: False when gradients are reduced only after backward.
+    ``compute_bytes`` / ``reduce_bytes``: the compute and gradient-reduction dtypes' sizes.
+    ``splits_sequence``: activations between blocks are split over tp (sequence parallelism).
+    ``splits_context``: every token-wise tensor is split over cp.
+    ``recompute``: the share of each block's forward run again in backward (full activation
+    checkpointing: 1.0, only the block's input is kept).
+    ``attention_imbalance``: the slowest rank's attention work over the mean (cp without load
+    balancing: causal attention gives the last chunk the most work).
+    ``compute_speedup``: the step's gain on compute time (a compiler, lower-precision matmuls),
+    as a published ratio; ``fused_elementwise``: it fuses the norms, activations and residual
+    adds into few kernels (a compiler); ``activation_scale``: its effect on activation memory.
+    ``memory_bytes``: memory the step adds on every rank.
+    """
+
+    states: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(
+            attrs.validators.in_(("sharded", "flat", "replicated"))))
+    reshard_after_forward: bool | None = None
+    cpu_offload: bool = False
+    defer_grad_sync: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    compute_bytes: int = 0
+    reduce_bytes: int = 0
+    splits_sequence: bool = False
+    splits_context: bool = False
+    loss_parallel: bool = False
+    recompute: float = 0.0
+    attention_imbalance: float = 1.0
+    compute_speedup: float = 1.0
+    fused_elementwise: bool = False
+    activation_scale: float = 1.0
+    memory_bytes: float = 0.0
+    comms: tuple[Comm, ...] = ()
+    pipeline: PipelineCost | None = None
