@@ -149,22 +149,21 @@ def pass_times(v: PlanView) -> tuple[float, float, float]:
 
 
 def bubble_share(v: PlanView, n_micro: int, chunks: int) -> float:
-    """The pipeline bubble as a share of a rank's compute, for the schedule's shape (Qi et al.
-    2024, "Zero Bubble Pipeline Parallelism", counting in passes of one chunk):
+    """The pipeline bubble as a share of a rank's compute, counting in passes of one chunk
+    (the notation of Qi et al. 2024, "Zero Bubble Pipeline Parallelism"):
 
     - 1F1B, GPipe: ``(pp - 1) (F + B + W)`` idle in fill and drain, against
       ``n_micro (F + B + W)`` of work; looped schedules (interleaved 1F1B, looped BFS) cut each
       idle slot to one chunk's, ``1 / v`` of it;
-    - zero bubble, looped (ZB-H1 as torch schedules it): the weight passes fill the drain,
-      ``(pp - 1) (F + B - W)``;
-    - zero bubble in a V (ZB-V, DualPipeV): ``(pp - 1) (F + B - 2 W)``, none when the passes
-      take alike.
+    - zero bubble (torch's looped ZB-H1 and its ZB-V alike): the weight passes fill the
+      drain, ``(pp - 1) (F + B - W)``.
+
+    ``tests/test_planner_schedules.py`` runs torch's own action tables with these pass times
+    and finds the same.
     """
     f, b, w = pass_times(v)
     pipe = v.pipeline
-    idle = f + b + w
-    if pipe is not None and pipe.split_backward:
-        idle = max(0.0, f + b - (2 if pipe.v_shape else 1) * w)
+    idle = f + b - w if pipe is not None and pipe.split_backward else f + b + w
     return (v.pp - 1) * idle / (n_micro * chunks * (f + b + w))
 
 

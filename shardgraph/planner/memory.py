@@ -172,16 +172,20 @@ def inflight(v: PlanView, n_micro: int, chunks: int) -> float:
     - looped 1F1B (interleaved): ``(v - 1) pp + 2 (pp - 1)`` chunk forwards of warm-up, one more
       in the steady state (as Narayanan et al. 2021 count it: ``pp (1 + (pp - 1) / (pp v))``
       of the rank's layers);
-    - zero bubble, looped: half the interleaved warm-up's forwards, but each block's
-      activations stay until its weight-gradient pass runs, which the schedule delays by as
-      much: the same peak as interleaved 1F1B;
-    - zero bubble in a V (ZB-V, DualPipeV): ``pp`` micro-batches of the rank's layers, as 1F1B.
+    - zero bubble, looped: a warm-up of ``(v - 1) pp + pp - 1`` chunk forwards, each block's
+      activations held until its weight-gradient pass: ``v pp`` chunks;
+    - zero bubble in a V (ZB-V, DualPipeV): ``2 pp`` chunks, ``pp`` micro-batches of the
+      rank's layers, as 1F1B.
+
+    ``tests/test_planner_schedules.py`` counts the same on torch's own action tables.
     """
     pipe = v.pipeline
     if pipe is not None and pipe.forward_first:
         return float(n_micro * chunks)
     if chunks == 1 or (pipe is not None and pipe.v_shape):
         return float(min(n_micro, v.pp) * chunks)
+    if pipe is not None and pipe.split_backward:
+        return float(min(n_micro * chunks, chunks * v.pp))
     return float(min(n_micro * chunks, (chunks - 1) * v.pp + 2 * (v.pp - 1) + 1))
 
 

@@ -85,11 +85,17 @@ class Candidate:
             name = names[role]
             out[name] = {**base.get(name, {}), **options}
 
+        def prefer(role: str, **options: Any) -> None:  # unless the user chose otherwise
+            name = names[role]
+            out[name] = {**options, **base.get(name, {})}
+
         if self.strategy:
             put(self.strategy)
         if self.dp_replicate > 1:
             put("hsdp", size=self.dp_replicate)
         if self.tp > 1:
+            # the loss on vocabulary shards: no gathered logits, 1 / tp of their memory
+            prefer("tp", loss_parallel=True)
             put("tp", size=self.tp)
         if self.sp:
             put("sp")

@@ -1,0 +1,132 @@
+"""The planner's pipeline arithmetic against torch's own schedules: the order of passes each
+``torch.distributed.pipelining`` schedule runs on each rank (its action tables; for 1F1B the
+order its step loop follows) is played out with the planner's pass times, and the bubble and
+the activations rank 0 holds at its peak are what ``bubble_share`` and ``inflight`` say.
+Pure Python: no process group, no stage is built."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import attrs
+import pytest
+from torch.distributed.pipelining import schedules as S
+from torch.distributed.pipelining.schedules import _Action
+from torch.distributed.pipelining.schedules import _ComputationType as C
+
+from shardgraph.core.layout import MeshLayout
+from shardgraph.planner.cost import bubble_share, pass_times
+from shardgraph.planner.memory import inflight
+from shardgraph.planner.view import PlanView
+from shardgraph.plugins import builtin_registry
+
+
+def _one_f_one_b(pp: int, n: int) -> dict[int, list[_Action]]:
+    """Schedule1F1B's step loop: stage r runs min(n, pp - r) forwards, then one backward and
+    one forward at a time, then the remaining backwards."""
+    out = {}
+    for r in range(pp):
+        warm = min(n, pp - r)
+        ops = [_Action(r, C.FORWARD, i) for i in range(warm)]
+        f = warm
+        for b in range(n):
+            ops.append(_Action(r, C.FULL_BACKWARD, b))
+            if f < n:
+                ops.append(_Action(r, C.FORWARD, f))
+                f += 1
+        out[r] = ops
+    return out
+
+
+def _torch_order(torch_class: str, pp: int, v: int, n: int) -> dict[int, list[_Action]]:
+    cls = getattr(S, torch_class)
+    if torch_class == "Schedule1F1B":
+        return _one_f_one_b(pp, n)
+    if torch_class == "ScheduleGPipe":
+        return cls._get_pipeline_order(SimpleNamespace(_num_stages=pp, _n_microbatches=n))
+    if torch_class == "ScheduleZBVZeroBubble":
+        state = SimpleNamespace(
+            pp_group_size=pp, n_local_stages=2, num_stages=2 * pp, _n_microbatches=n,
+            stage_index_to_group_rank=S.generate_stage_to_rank_mapping(pp, 2 * pp, style="v"))
+    else:
+        rounds = max(1, n // pp)
+        state = SimpleNamespace(pp_group_size=pp, n_local_stages=v, _n_microbatches=n,
+                                number_of_rounds=rounds, microbatches_per_round=n // rounds,
+                                _stages=[None] * v)
+    return {r: cls._calculate_single_rank_operations(state, r) for r in range(pp)}
+
+
+def _play(order, n_stages: int, f: float, b: float, w: float):
+    """Run every rank's passes in order, each when its inputs are ready: (the step's length,
+    the busiest rank's work, the chunk activations each rank holds at its peak). A full
+    backward frees a chunk's activations; a split one frees them after the weight pass."""
+    ops = {r: [a for a in o if a is not None and a.computation_type in
+               (C.FORWARD, C.FULL_BACKWARD, C.BACKWARD_INPUT, C.BACKWARD_WEIGHT)]
+           for r, o in order.items()}
+    done: dict = {}
+    clock = dict.fromkeys(ops, 0.0)
+    work = dict.fromkeys(ops, 0.0)
+    held, peak = dict.fromkeys(ops, 0), dict.fromkeys(ops, 0)
+    at = dict.fromkeys(ops, 0)
+    moved = True
+    while moved:
+        moved = False
+        for r in ops:
+            while at[r] < len(ops[r]):
+                a = ops[r][at[r]]
+                s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
+                if kind == C.FORWARD:
+                    needs, name, t = ([(s - 1, "F", mb)] if s else []), "F", f
+                elif kind == C.BACKWARD_WEIGHT:
+                    needs, name, t = [(s, "B", mb)], "W", w
+                else:
+                    needs = [(s + 1, "B", mb)] if s < n_stages - 1 else [(s, "F", mb)]
+                    name, t = "B", b + (w if kind == C.FULL_BACKWARD else 0.0)
+                if any(k not in done for k in needs):
+                    break
+                clock[r] = max([clock[r]] + [done[k] for k in needs]) + t
+                work[r] += t
+                done[s, name, mb] = clock[r]
+                held[r] += name == "F"
+                held[r] -= name == "W" or kind == C.FULL_BACKWARD
+                peak[r] = max(peak[r], held[r])
+                at[r] += 1
+                moved = True
+    assert all(at[r] == len(ops[r]) for r in ops), "the order deadlocks"
+    return max(clock.values()), max(work.values()), peak
+
+
+def _view(schedule: str, pp: int, n: int, recompute: float) -> tuple[PlanView, int]:
+    """The view the planner prices, with the pipeline record pp's declaration gives."""
+    pp_plugin = next(p for p in builtin_registry() if "pipeline_parallel" in p.provides)
+    pipe = pp_plugin.cost(pp_plugin.options(size=pp, schedule=schedule),
+                          MeshLayout(world_size=pp, pp=pp)).pipeline
+    view = PlanView(pp, 8, pp, 1, 1, 1, 1, 1, None, False, recompute > 0, False, 2, 2, False,
+                    False, True, pipe.schedule, pipe.stages_per_rank, 1, None,
+                    pipeline=pipe, recompute=recompute)
+    return view, pipe.stages_per_rank
+
+
+SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp,n", [(2, 4), (4, 8), (4, 16), (8, 32)])
+@pytest.mark.parametrize("recompute", [0.0, 1.0])
+def test_bubble_and_peak_activations_are_torchs(schedule, pp, n, recompute):
+    view, v = _view(schedule, pp, n, recompute)
+    f, b, w = pass_times(view)
+    length, busiest, peak = _play(_torch_order(view.schedule, pp, v, n), pp * v, f, b, w)
+    assert busiest == pytest.approx(n * v * (f + b + w))
+    assert length / busiest - 1 == pytest.approx(bubble_share(view, n, v), abs=1e-9)
+    # rank 0 holds the most, and as many chunks as the planner says
+    assert peak[0] == max(peak.values()) == inflight(view, n, v)
+
+
+def test_the_play_finds_a_bubble_the_formula_would_miss():
+    """The check can fail: 1F1B priced as if interleaved is off."""
+    view, v = _view("1f1b", 4, 8, 0.0)
+    f, b, w = pass_times(view)
+    length, busiest, _ = _play(_torch_order("Schedule1F1B", 4, 1, 8), 4, f, b, w)
+    as_if = attrs.evolve(view, stages_per_rank=2)
+    assert length / busiest - 1 != pytest.approx(bubble_share(as_if, 8, 2), abs=1e-3)
