@@ -327,3 +327,19 @@ def test_every_built_in_plugin_with_a_step_declares_its_cost():
 
     missing = [p.name for p in builtin_registry() if p.apply is not None and p.cost is None]
     assert missing == []
+
+
+def test_ties_go_to_less_memory_and_are_said():
+    """Equal predicted speed (1f1b and gpipe with no more micro-batches than stages): the plan
+    that needs less memory ranks first, and the why line calls it a tie."""
+    result = autoplan(TINY, 4, top=60, gpus_per_node=4)
+    rows, why = result["candidates"], result["why"]
+    assert len(why) == len(rows)
+    speed = [f"{r['tokens_per_s_per_gpu']:.6g}" for r in rows]
+    ties = [i for i in range(1, len(rows)) if speed[i] == speed[i - 1]]
+    assert ties  # the space has some
+    for i in ties:
+        before, after = (rows[j]["memory_bytes_per_rank"]["total"] for j in (i - 1, i))
+        assert before <= after
+        assert f"ties with #{i}" in why[i], why[i]
+    assert all("ties" not in why[i] for i in range(1, len(rows)) if i not in ties)

@@ -260,7 +260,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         units = max(layers, 1) + 1
         first = ag / (gathers * units) if gathers else 0.0
         # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
-        # backward they follow (each on its own stream, the two directions of the links)
+        # backward they follow (on its own stream: sharing the links with the all-gathers
+        # fits the published rows worse, 8.5% held-out MAPE against 6.9%)
         window = bwd_last * reductions if v.overlap_grad_reduce else 0.0
         add("dp_shard", max(0.0, ag - compute) + first + max(0.0, rs - window))
         if v.dp_replicate > 1 and v.strategy == "fully_shard":

@@ -85,18 +85,15 @@ class Candidate:
             name = names[role]
             out[name] = {**base.get(name, {}), **options}
 
-        def prefer(role: str, **options: Any) -> None:  # unless the user chose otherwise
-            name = names[role]
-            out[name] = {**options, **base.get(name, {})}
-
         if self.strategy:
             put(self.strategy)
         if self.dp_replicate > 1:
             put("hsdp", size=self.dp_replicate)
         if self.tp > 1:
-            # the loss on vocabulary shards: no gathered logits, 1 / tp of their memory
-            prefer("tp", loss_parallel=True)
             put("tp", size=self.tp)
+            # the loss on vocabulary shards (no gathered logits, 1 / tp of their memory),
+            # unless the user chose otherwise
+            out[names["tp"]].setdefault("loss_parallel", True)
         if self.sp:
             put("sp")
         if self.pp > 1:
@@ -407,11 +404,15 @@ def _why(rows: list[dict[str, Any]]) -> list[str]:
     for i, row in enumerate(rows[1:], start=2):
         b = _parts(row)
         loss = 1 - row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
-        more = (row["memory_bytes_per_rank"]["total"]
-                - best["memory_bytes_per_rank"]["total"]) / 2**30
-        if abs(loss) < 5e-6:
-            out.append(f"#{i} ({row['summary']}) ties with #1 on speed and needs {more:+.1f} GiB "
-                       f"per rank: the tie goes to less memory")
+        prev = rows[i - 2]
+        if _rank((-row["tokens_per_s_per_gpu"], 0))[0] == \
+                _rank((-prev["tokens_per_s_per_gpu"], 0))[0]:
+            more = (row["memory_bytes_per_rank"]["total"]
+                    - prev["memory_bytes_per_rank"]["total"]) / 2**30
+            out.append(f"#{i} ({row['summary']}) ties with #{i - 1} on speed"
+                       + (f" ({loss:.1%} slower than #1)" if i > 2 else "")
+                       + (f" and needs {more:.2f} GiB more per rank: the tie goes to less memory"
+                          if more > 0 else " and needs as much memory: the same prediction"))
             continue
         diffs = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
         # the two parts that moved most, with their signs: a plan may lose on one part what it

@@ -1,0 +1,100 @@
+"""``plan --auto`` against published sweeps: where a source measured several layouts of one
+model on one cluster, the layout it measured fastest should be among the first three the search
+ranks (the search also proposes layouts nobody measured, so first place is not asked for).
+Each case names its source (``shardgraph/planner/published.toml`` cites them); the misses are
+kept as strict expected failures that say why, so that fixing one shows."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardgraph.planner.search import autoplan
+from shardgraph.train.config import loads_pipeline
+
+LLAMA = {  # Llama 3.1: hidden, MLP width, layers, heads
+    "8B": (4096, 14336, 32, 32), "70B": (8192, 28672, 80, 64), "405B": (16384, 53248, 126, 128)}
+
+
+def _pipeline(model: str, global_batch: int, seq: int, hbm_gib: int | None = None):
+    h, f, layers, heads = LLAMA[model]
+    cluster = f'[cluster]\ngpu = "H100-SXM"\nhbm_gib = {hbm_gib}\n' if hbm_gib else ""
+    return loads_pipeline(f"""
+[model]
+architecture = "LlamaForCausalLM"
+[model.config]
+vocab_size = 128256
+hidden_size = {h}
+intermediate_size = {f}
+num_hidden_layers = {layers}
+num_attention_heads = {heads}
+num_key_value_heads = 8
+tie_word_embeddings = false
+[data]
+seq_len = {seq}
+[train]
+global_batch_size = {global_batch}
+optimizer = "adamw"
+[plugins.mixed_precision]
+reduce_dtype = "fp32"
+{cluster}""")
+
+
+def _rank(result, *parts: str) -> int | None:
+    """The place of the first candidate whose summary has every part, or None."""
+    for i, row in enumerate(result["candidates"], start=1):
+        words = row["summary"].split(", ")
+        if all(p in words for p in parts):
+            return i
+    return None
+
+
+@pytest.mark.xfail(strict=True, reason="ranked ~#250: with 96 GB and the loss on vocabulary "
+                   "shards, layouts without activation checkpointing fit (pp 2 or 4, cp 2) and "
+                   "are predicted ~30% faster than the measured FSDP 32 x TP 8 with full "
+                   "checkpointing; nobody measured them")
+def test_torchtitan_70b_fsdp_tp_on_256_gpus():
+    """torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 4: Llama 3.1 70B on 256
+    H100 (96 GB), local batch 16, full AC: FSDP 32 x TP 8."""
+    result = autoplan(_pipeline("70B", 512, 8192, hbm_gib=96), 256, top=50)
+    place = _rank(result, "fsdp2", "tp 8 + sp", "ac")
+    assert place is not None and place <= 3
+
+
+def test_torchtitan_405b_interleaving_beats_1f1b_in_the_search():
+    """torchtitan Table 5: Llama 3.1 405B on 512 H100, FSDP 8 x TP 8 x PP 8, local batch 32:
+    interleaved 1F1B 128 tokens/s/GPU against 1F1B's 100; the search ranks them so."""
+    result = autoplan(_pipeline("405B", 256, 8192, hbm_gib=96), 512, top=400)
+    inter = _rank(result, "tp 8 + sp", "pp 8 interleaved_1f1b", "ac", "mb 1")
+    one = _rank(result, "tp 8 + sp", "pp 8 1f1b", "ac", "mb 1")
+    assert inter is not None and (one is None or inter < one)
+
+
+@pytest.mark.xfail(strict=True, reason="ranked ~#70: the search prefers FSDP over 256 ranks "
+                   "with tp 2 and no pp (its all-gathers hidden behind compute), zero-bubble "
+                   "variants and cp 2 variants of the measured layout")
+def test_torchtitan_405b_interleaved_is_in_the_top_3():
+    result = autoplan(_pipeline("405B", 256, 8192, hbm_gib=96), 512, top=400)
+    place = _rank(result, "tp 8 + sp", "pp 8 interleaved_1f1b")
+    assert place is not None and place <= 3
+
+
+@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks ~#240: "
+                   "without activation checkpointing it does not fit as torch runs it (sp keeps "
+                   "the gathered inputs of the linears, the last stage keeps every micro-batch's "
+                   "logits), and with it the search prefers FSDP-heavy layouts (see above)")
+def test_llama3_405b_tp8_pp16_on_8192_gpus():
+    """Llama 3 paper Table 4: 405B on 8,192 H100, 16M tokens per batch: TP 8, PP 16, DP 64."""
+    result = autoplan(_pipeline("405B", 2048, 8192), 8192, top=400)
+    place = _rank(result, "tp 8 + sp", "pp 16 interleaved_1f1b")
+    assert place is not None and place <= 3
+
+
+@pytest.mark.xfail(strict=True, reason="torchtitan's fastest plain-FSDP run used selective "
+                   "activation checkpointing, which no plugin offers to the search; against "
+                   "full checkpointing, cp 4 (no checkpointing, the sequence split instead) "
+                   "is predicted faster")
+def test_torchtitan_8b_fsdp_on_8_gpus():
+    """torchtitan Table 1: Llama 3.1 8B on 8 H100 (96 GB), local batch 2: FSDP 8."""
+    result = autoplan(_pipeline("8B", 16, 8192, hbm_gib=96), 8, top=50)
+    top3 = [r["summary"] for r in result["candidates"][:3]]
+    assert any("cp" not in s and "tp" not in s and "pp" not in s for s in top3), top3
