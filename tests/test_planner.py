@@ -293,7 +293,8 @@ def test_a_plugin_is_priced_from_its_cost_hook_and_one_without_is_named():
     """A third-party plugin's declared memory and collectives enter the estimate; a plugin
     without a cost hook is listed in ``assumptions.not_priced`` (and only it)."""
     from shardgraph.core.costs import Comm, Cost
-    from shardgraph.plugins import Kind, Plugin, builtin_registry
+    from shardgraph.plugins import Kind, Plugin
+    from shardgraph.plugins.builtin import builtin_registry
 
     def cost(options, layout):
         return Cost(memory_bytes=2**30,
@@ -323,7 +324,7 @@ def test_a_plugin_is_priced_from_its_cost_hook_and_one_without_is_named():
 
 
 def test_every_built_in_plugin_with_a_step_declares_its_cost():
-    from shardgraph.plugins import builtin_registry
+    from shardgraph.plugins.builtin import builtin_registry
 
     missing = [p.name for p in builtin_registry() if p.apply is not None and p.cost is None]
     assert missing == []

@@ -18,7 +18,7 @@ from shardgraph.core.layout import MeshLayout
 from shardgraph.planner.cost import bubble_share, pass_times
 from shardgraph.planner.memory import inflight
 from shardgraph.planner.view import PlanView
-from shardgraph.plugins import builtin_registry
+from shardgraph.plugins.builtin import builtin_registry
 
 
 def _one_f_one_b(pp: int, n: int) -> dict[int, list[_Action]]:

@@ -3,9 +3,10 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
-error 6.9% over 17 rows (bound 8%), no held-out row off by more than 35% (the worst: DeepSpeed's ZeRO-3 on
-640 GPUs, -32%, then torchtitan's 405B on 128 GPUs, +12%); held-out memory MAPE 8.9% on three
-rows (bound 10%), the furthest under a measured peak -16% (torchtitan's 405B 1F1B; bound -20%).
+error 6.9% over 17 rows (bound 8%), no held-out row off by more than 35% (the worst:
+DeepSpeed's ZeRO-3 on 640 GPUs, -32%, then torchtitan's 405B on 128 GPUs, +12%); held-out
+memory MAPE 8.9% on three rows (bound 10%), the furthest under a measured peak -16%
+(torchtitan's 405B 1F1B; bound -20%).
 Run ``python -m shardgraph.planner.calibration`` for the full table.
 """
 

@@ -20,20 +20,17 @@ from typing import Any
 
 import attrs
 
+from ..core.layout import MeshLayout
+from ..plugins.builtin import builtin_registry
 from .cost import Efficiency, model_flops_per_token, step_time
+from .fitted import FITTED
 from .gpus import GiB, resolve_gpu
 from .predict import memory_of
 from .shape import ModelShape
-from ..core.layout import MeshLayout
-from ..plugins import builtin_registry
 from .view import PlanView, Setup, declared, view_of
 
-#: The constants ``fit()`` finds on the fit rows (regenerate: ``python -m
-#: shardgraph.planner.calibration``).
-FITTED = Efficiency(e_max=(("A100-80GB", 0.66), ("H100-SXM", 0.55), ("H100-SXM-500W", 0.4)),
-                    x0=100.0, comm_eff=0.8, elementwise=0.5, eager=6.0)
-
 DATA = Path(__file__).with_name("published.toml")
+
 #: the grid ``fit`` searches
 GRID = {
     "e_max": [round(0.30 + 0.01 * i, 2) for i in range(61)],

@@ -1,16 +1,20 @@
-"""``shardgraph estimate`` and ``shardgraph plan --auto``: registered into the main CLI."""
+"""``shardgraph estimate`` and ``shardgraph plan --auto``: registered into the main CLI.
+
+The command glue only (arguments, reading the pipeline file, printing); the text is
+``render``'s. It imports the command table and the pipeline loader, so it is the one planner
+module above the library (``tests/test_architecture.py`` names it until the command table lists
+these commands itself).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 from ..cli import COMMANDS, PLAN_MODES
 from ..core.errors import PlanError, Violation
 from ..train.config import load_pipeline
-
-GiB = 2**30
+from .render import render_candidates, render_estimate
 
 
 def _world(args: argparse.Namespace, pipeline) -> int:
@@ -19,83 +23,6 @@ def _world(args: argparse.Namespace, pipeline) -> int:
         raise PlanError([Violation("size", ("--world-size",), "no world size given",
                                    hint="pass --world-size N (or set [mesh] world_size)")])
     return world
-
-
-def memory_lines(est: dict[str, Any]) -> list[str]:
-    mem = est["memory_bytes_per_rank"]
-    gpu = est["assumptions"]["gpu"]
-    lines = [f"{'memory per rank':<18}{'GiB':>10}"]
-    for key in ("params", "grads", "optimizer", "activations", "buffers", "reserve", "total"):
-        lines.append(f"  {key:<16}{mem[key] / GiB:>10.2f}")
-    verdict = "fits" if est["fits"] else "does NOT fit"
-    lines.append(f"  {verdict} in {gpu['name']} ({gpu['hbm_gib']:.0f} GiB, "
-                 f"{est['assumptions']['usable_hbm_fraction']:.0%} usable); worst pp rank "
-                 f"{est['worst_pp_rank']}")
-    return lines
-
-
-def time_lines(est: dict[str, Any]) -> list[str]:
-    b = est["breakdown_s"]
-    lines = [f"{'step time':<18}{'s':>10}", f"  {'compute':<16}{b['compute']:>10.3f}"]
-    for axis, t in sorted(b["exposed_comm"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {'comm ' + axis:<16}{t:>10.3f}")
-    lines.append(f"  {'pipeline bubble':<16}{b['pipeline_bubble']:>10.3f}")
-    lines.append(f"  {'optimizer':<16}{b['optimizer']:>10.3f}")
-    lines.append(f"  {'total':<16}{est['step_time_s']:>10.3f}")
-    lines.append(f"{est['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {est['mfu']:.1%} "
-                 f"({est['microbatches']} micro-batch(es) of {est['micro_batch_size']})")
-    return lines
-
-
-def render_estimate(est: dict[str, Any]) -> str:
-    s = est["sizes"]
-    head = "plan: " + (" x ".join(f"{k} {v}" for k, v in s.items() if v > 1) or "one GPU")
-    eff = est["assumptions"]
-    return "\n".join([head, "", *memory_lines(est), "", *time_lines(est), "",
-                      f"assumptions: {eff['gpu']['name']} {eff['gpu']['peak_bf16_tflops']:.0f} "
-                      f"TFLOP/s bf16, matmul efficiency {eff['matmul_efficiency']:.0%}, NVLink "
-                      f"{eff['gpu']['intra_node_gbps']:.0f} GB/s, network "
-                      f"{eff['gpu']['network_gbps']:.0f} GB/s per GPU"])
-
-
-def render_candidates(result: dict[str, Any]) -> str:
-    rows = result["candidates"]
-    lines = [f"{'#':>2}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'step s':>8}  {'GiB/rank':>8}  plan"]
-    for i, r in enumerate(rows, start=1):
-        lines.append(f"{i:>2}  {r['tokens_per_s_per_gpu']:>12,.0f}  {r['mfu']:>6.1%}  "
-                     f"{r['step_time_s']:>8.3f}  "
-                     f"{r['memory_bytes_per_rank']['total'] / 2**30:>8.1f}  {r['summary']}")
-    c = result["searched"]
-    lines += ["", f"searched {c['layouts']} layouts, estimated {c['estimated']} plans, "
-              f"{c['fit']} fit; compiled {c['compiled']} (refused {c['refused']}) in "
-              f"{c.get('seconds', 0):.2f} s", "", "best plan:"]
-    best = rows[0]
-    lines += ["  " + line for line in _toml(best).splitlines()]
-    lines += ["", *memory_lines(best), "", *time_lines(best)]
-    if result["why"]:
-        lines += ["", "why:", *("  " + w for w in result["why"])]
-    return "\n".join(lines)
-
-
-def _toml(row: dict[str, Any]) -> str:
-    out = []
-    tables = dict(row["pipeline"]["plugins"])
-    for name, opts in tables.items():
-        out.append(f"[plugins.{name}]")
-        out += [f"{k} = {_value(v)}" for k, v in opts.items()]
-    out.append("[mesh]")
-    out += [f"{k} = {v}" for k, v in row["pipeline"]["mesh"].items()]
-    if "train" in row:
-        out.append(f"# and in [train]: micro_batch_size = {row['train']['micro_batch_size']}")
-    return "\n".join(out)
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return f'"{v}"'
-    return str(v)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..core.errors import PlanError, Violation
 from .cost import Efficiency, model_flops_per_token, step_time
+from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
 from .memory import activation_bytes, buffer_bytes, microbatches, stage_layers, state_bytes
 from .shape import ModelShape, model_shape
@@ -184,8 +185,6 @@ def estimate(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     """Estimate the plan of a loaded ``pipeline`` at ``world_size``: raises ``PlanError`` for a
     plan that does not compile or does not fit the model, else returns the estimate's keys
     (see ``evaluate``). ``registry``: the plugins to compile with (default: the process's)."""
-    from .calibration import FITTED
-
     pipeline = loaded(pipeline)
     gpn, chip = context(pipeline, world_size, gpus_per_node, gpu)
     graph = pipeline.graph

@@ -27,6 +27,7 @@ import attrs
 
 from ..core.errors import PlanError, Violation
 from .cost import Efficiency
+from .fitted import FITTED
 from .predict import (
     USABLE_HBM,
     batch_violations,
@@ -39,7 +40,7 @@ from .predict import (
 )
 from ..core.layout import MeshLayout, Settings
 from ..graphs.toml import graph_from_dict
-from ..plugins import default_registry
+from ..plugins.builtin import default_registry
 from .memory import state_bytes
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, declared, plan_view, provider, view_of
@@ -263,8 +264,6 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     """The best ``top`` plans for a loaded ``pipeline``'s model on ``world_size`` GPUs, best
     first: ``{"candidates": [estimate + pipeline], "searched": counts, "why": [...]}``.
     ``registry``: the plugins to build plans from (default: the process's)."""
-    from .calibration import FITTED
-
     began = time.perf_counter()
     eff = efficiency or FITTED
     pipeline = loaded(pipeline)
