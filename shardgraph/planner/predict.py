@@ -147,16 +147,21 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                     "hbm_gib": gpu.hbm_bytes / 2**30, "hbm_tbps": gpu.hbm_bw / 1e12,
                     "intra_node_gbps": gpu.intra_bw / 1e9, "network_gbps": gpu.inter_bw / 1e9,
                     "source": gpu.source},
+            # the CUDA context and NCCL's buffers: the HBM left out; the caching allocator's
+            # fragmentation: the "reserve" row, this share of the memory a step allocates
             "usable_hbm_fraction": USABLE_HBM,
             "allocator_reserve": ALLOCATOR_RESERVE,
             "matmul_efficiency": timing["efficiency"],
             "efficiency_curve": {"e_max": eff.ceiling(gpu.name), "x0": eff.x0,
-                                 "comm_eff": eff.comm_eff,
+                                 "comm_eff": eff.comm_eff, "elementwise": eff.elementwise,
+                                 "eager": eff.eager,
                                  "calibrated_on_this_gpu": eff.calibrated(gpu.name)},
+            # cpu_offload's memory is priced (nothing on the GPU); its host transfers and the
+            # CPU optimizer step are not
             "cpu_offload": offloaded,
-            # plugins that declare no cost, and cpu_offload's host transfers and CPU
-            # optimizer step (its memory is priced: nothing on the GPU)
-            "not_priced": list(v.unknown) + (["cpu_offload transfers"] if offloaded else []),
+            "cpu_offload_time_priced": False if offloaded else None,
+            # the plan's plugins that declare no cost hook
+            "not_priced": list(v.unknown),
             "model": {"architecture": shape.architecture, "parameters": shape.n_params,
                       "active_parameters_per_token": shape.active_params_per_token()},
         },
