@@ -3,9 +3,11 @@ and the best plans for a model and a world (``autoplan``). Arithmetic only: neit
 transformers is imported.
 
 Modules: ``gpus`` (presets, ``[cluster]``), ``shape`` (the model's parameters from its config),
-``view`` (what a compiled plan does, read from its steps' capabilities), ``memory``, ``cost``
-(FLOPs, collectives, bubble), ``predict`` (one plan), ``search`` (every plan),
-``calibration`` (fitted constants; ``published.toml`` holds the measurements).
+``view`` (what a compiled plan does, folded from the ``cost`` records its plugins declare:
+``core.costs``), ``memory``, ``cost`` (FLOPs, collectives, bubble), ``predict`` (one plan),
+``search`` (every plan), ``fitted`` (the constants), ``calibration`` (their fit;
+``published.toml`` holds the measurements), ``render`` (the text), ``cli`` (the commands).
+The planner imports no plugin module, no training code and, but for ``cli``, no command line.
 """
 
 from .cost import Efficiency

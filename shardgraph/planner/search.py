@@ -1,12 +1,15 @@
 """``plan --auto`` / ``autoplan``: every plan for a model and a world, ranked by predicted
 tokens/s.
 
-The space: strategy (fsdp2, ddp), hsdp's replicate degree, tp (divisors of a node that divide
-the heads, kv heads, vocabulary and MLP width), sp, pp (stages within the layers) with every
-schedule and pipeline micro-batch size torch accepts, cp (2 cp dividing the sequence), ep
-(divisors of the experts), activation checkpointing on or off, and the micro-batch size.
-It is walked with arithmetic first: a candidate's PlanView is built directly and estimated
-(a fraction of a millisecond), those that do not fit are dropped, and only the best are
+The space, each part played by the registered plugin that provides its capability (``ROLES``;
+a part no plugin plays is not tried): the strategy (fully sharded, or plain data parallel
+without model parallelism), hsdp's replicate degree, tp (divisors of a node that divide the
+heads, kv heads, vocabulary and MLP width; the loss on vocabulary shards unless the user chose
+otherwise), sp, pp (stages within the layers) with every schedule and pipeline micro-batch size
+the pipeline plugin's ``check`` accepts, cp (2 cp dividing the sequence), ep (divisors of the
+experts), activation checkpointing on or off, and the micro-batch size. It is walked with
+arithmetic first: a candidate's PlanView is folded from the cost records its plugins declare on
+its layout (cached) and estimated (a fraction of a millisecond), those that do not fit are dropped, and only the best are
 compiled through the real compiler (``Graph.compile``, with the local batch so the pipeline
 schedule rules run) in ranked order until ``top`` plans compile; a candidate the compiler
 refuses is counted and skipped. Compiling every candidate would cost ~1.4 ms each, seconds
@@ -26,6 +29,9 @@ from typing import Any
 import attrs
 
 from ..core.errors import PlanError, Violation
+from ..core.layout import MeshLayout, Settings
+from ..graphs.toml import graph_from_dict
+from ..plugins.builtin import default_registry
 from .cost import Efficiency
 from .fitted import FITTED
 from .predict import (
@@ -38,9 +44,6 @@ from .predict import (
     model_violations,
     setup_of,
 )
-from ..core.layout import MeshLayout, Settings
-from ..graphs.toml import graph_from_dict
-from ..plugins.builtin import default_registry
 from .memory import state_bytes
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, declared, plan_view, provider, view_of
