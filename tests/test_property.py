@@ -49,3 +49,31 @@ def test_compiles_consistently_or_raises_plan_error(spec, world, gpus, order):
             assert not (early.after & late.provides), (early.name, late.name)
     if world == 1:
         assert all(p.kind.value == "policy" for p in steps)
+
+
+#: sizes up to 2**64 in every shape: primes and their products, powers of two and
+#: smooth numbers with many divisors (the hints list divisors)
+huge = st.one_of(st.integers(min_value=1, max_value=2**64),
+                 st.integers(min_value=0, max_value=64).map(lambda k: 2**k),
+                 st.sampled_from([2**61 - 1, (2**31 - 1) * (2**32 - 5), 897612484786617600,
+                                  18446744073709551557, 3 * 2**62]))
+
+
+@settings(max_examples=150, deadline=2000)
+@given(spec=st.fixed_dictionaries({}, optional={name: st.one_of(st.integers(-1, 5), huge)
+                                               for name in SIZED}),
+       world=huge, gpus=st.one_of(st.sampled_from([1, 8]), huge), strategy=st.sampled_from(
+           ["fsdp2", "ddp"]))
+def test_absurd_sizes_compile_or_refuse_within_the_deadline(spec, world, gpus, strategy):
+    """Worlds and degrees up to 2**64 are answered in bounded time (hypothesis' deadline: 2 s
+    per example, against minutes to forever when a hint tried every integer up to the world
+    size): a plan whose mesh is the world, or the project's error."""
+    graph = Graph().add(strategy)
+    for name, size in spec.items():
+        graph.add(name, size=size)
+    try:
+        plan = graph.compile(world_size=world, gpus_per_node=gpus, registry=REGISTRY)
+    except PlanError as exc:
+        assert exc.violations and all(v.rule and v.message for v in exc.violations)
+        return
+    assert math.prod(plan.layout.mesh_shape) == world

@@ -105,8 +105,26 @@ def _missing_world_size(key: str) -> Violation:
     return Violation("size", (key,), "the world size is not given", hint=hint)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order, from its factorisation: a world of 2**64 ranks
+    is answered at once, where trying every integer up to ``n`` would never return."""
+    # sympy (a dependency of torch) factorises with Pollard's rho; imported here because it
+    # costs ~0.2 s and only a refused size needs it
+    from sympy import divisors as _sympy_divisors
+
+    return [int(d) for d in _sympy_divisors(n)]
+
+
+#: how many divisors a hint lists before it elides the rest
+HINT_DIVISORS = 8
+
+
+def divisor_list(ds: list[int]) -> str:
+    """``2, 4, 8`` or, past ``HINT_DIVISORS``, the smallest ones, ``...`` and the largest."""
+    if len(ds) <= HINT_DIVISORS:
+        return ", ".join(map(str, ds))
+    head = HINT_DIVISORS - 2
+    return ", ".join(map(str, ds[:head])) + ", ..., " + ", ".join(map(str, ds[-2:]))
 
 
 def derive_mesh(request: MeshRequest) -> DerivedMesh:
@@ -147,12 +165,12 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
     # Rule 2: an intra-node axis divides the GPUs of one node (reads only its size and gpus).
     for axis, req in owners.items():
         if req.within_node and axis in sizes and gpus is not None and gpus % sizes[axis]:
-            fits = [d for d in _divisors(gpus) if d > 1]
+            fits = [d for d in divisors(gpus) if d > 1]
             bad.append(Violation(
                 "within-node", (req.size_key, gpus_key),
                 f"{req.owner} = {sizes[axis]} does not divide gpus_per_node = {gpus}: its "
                 "groups would span nodes",
-                hint=f"choose a divisor of {gpus} ({', '.join(map(str, fits))})" if fits else
+                hint=f"choose a divisor of {gpus} ({divisor_list(fits)})" if fits else
                 f"gpus_per_node = {gpus} leaves no room for {req.owner}: remove it",
                 plugin=req.owner,
             ))
@@ -189,10 +207,10 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
         req = owners[Axis.DP_REPLICATE]
         why = (f"does not divide dp = {dp}" if dp % rep
                else f"leaves dp_shard = {dp // rep}: pure replication, nothing to shard")
-        fits = [d for d in _divisors(dp) if 1 < d < dp]
+        fits = [d for d in divisors(dp) if 1 < d < dp]
         bad.append(Violation(
             "dp-replicate", (req.size_key, world_key), f"dp_replicate = {rep} {why}",
-            hint=(f"choose {req.size_key} among {', '.join(map(str, fits))} (divisors of "
+            hint=(f"choose {req.size_key} among {divisor_list(fits)} (divisors of "
                   f"dp = {dp} below {dp})" if fits else
                   f"dp = {dp} has no divisor between 1 and itself: remove {req.owner}"),
             plugin=req.owner,
@@ -202,11 +220,11 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
     if Axis.EP in sizes and ep > 1 and dp is not None and Axis.CP not in unknown \
             and (dp * cp) % ep:
         req = owners[Axis.EP]
-        fits = [d for d in _divisors(dp * cp) if d > 1]
+        fits = [d for d in divisors(dp * cp) if d > 1]
         bad.append(Violation(
             "ep-divides", (req.size_key, world_key),
             f"ep = {ep} does not divide dp * cp = {dp} * {cp} = {dp * cp}",
-            hint=(f"choose ep among {', '.join(map(str, fits))} (divisors of {dp * cp})"
+            hint=(f"choose ep among {divisor_list(fits)} (divisors of {dp * cp})"
                   if fits else f"dp * cp = 1 leaves no ranks for experts: remove {req.owner}"),
             plugin=req.owner,
         ))

@@ -30,6 +30,7 @@ import attrs
 
 from ..core.errors import PlanError, Violation
 from ..core.layout import MeshLayout, Settings
+from ..core.mesh import divisors
 from ..graphs.toml import graph_from_dict
 from ..plugins.builtin import default_registry
 from .cost import Efficiency
@@ -60,10 +61,6 @@ ROLES = {"fsdp2": "fully_shard", "hsdp": "hybrid_shard", "tp": "tensor_parallel"
 #: cp degrees tried at most (all-gather attention keeps whole K/V per rank)
 MAX_CP = 16
 HSDP_LAYOUTS = 64
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @attrs.frozen
@@ -175,7 +172,7 @@ def _pp_options(registry, names, shape: ModelShape, setup: Setup, world: int, tp
     out: list[tuple[int, str | None, list[int]]] = []
     rest = world // (tp * cp)
     plugin = registry.get(names["pp"]) if "pp" in names else None
-    for pp in _divisors(rest):
+    for pp in divisors(rest):
         if pp == 1:
             out.append((1, None, []))
             continue
@@ -202,7 +199,7 @@ def _accepted(plugin, pp: int, schedule: str, local: int, layers: int) -> list[i
         return []  # a pipeline that declares no cost is not searched
     settings = Settings(local_batch_size=local)
     check = plugin.check or (lambda *_: [])
-    return [m for m in _divisors(local) if not check(
+    return [m for m in divisors(local) if not check(
         attrs.evolve(options, microbatch_size=m), layout, settings)]
 
 
@@ -229,17 +226,17 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
     plugin plays is not tried."""
     out = []
     if world == 1:
-        return [(Candidate(None), _divisors(setup.global_batch))]
+        return [(Candidate(None), divisors(setup.global_batch))]
     allow_ddp = allow_ddp and "ddp" in names
     pp_cache: dict = {}
-    for tp in _divisors(gpn):
+    for tp in divisors(gpn):
         if world % tp or (tp > 1 and "tp" not in names):
             continue
         probe = PlanView(world, gpn, 1, 1, world // tp, 1, tp, 1, "fully_shard", False, False,
                          False, 0, 0, True, False, True, None, 1, None, None)
         if model_violations(shape, probe, setup):
             continue
-        for cp in _divisors(world // tp):
+        for cp in divisors(world // tp):
             if cp > MAX_CP or setup.seq_len % (2 * cp) or (cp > 1 and "cp" not in names):
                 continue
             for pp, sched, pp_sizes in _pp_options(registry, names, shape, setup, world, tp, cp,
@@ -248,8 +245,8 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
                 if setup.global_batch % dp:
                     continue
                 local = setup.global_batch // dp
-                sizes = pp_sizes if pp > 1 else _divisors(local)
-                eps = [e for e in _divisors(shape.experts) if (dp * cp) % e == 0] \
+                sizes = pp_sizes if pp > 1 else divisors(local)
+                eps = [e for e in divisors(shape.experts) if (dp * cp) % e == 0] \
                     if shape.is_moe and "ep" in names else [1]
                 for ep in eps:
                     for sp in ((False, True) if tp > 1 and "sp" in names else (False,)):
@@ -315,7 +312,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
         if c.strategy != "fsdp2" or "hsdp" not in names:
             continue
         dp = world_size // (c.tp * c.pp * c.cp)
-        for r in _divisors(dp):
+        for r in divisors(dp):
             if 1 < r < dp and (dp // r * c.cp) % c.ep == 0 and (dp * c.cp) % c.ep == 0:
                 score(attrs.evolve(c, dp_replicate=r))
     scored.sort(key=_rank)
