@@ -369,6 +369,24 @@ def test_a_signal_to_the_launcher_stops_every_worker_in_one_line(long_run, sig, 
     assert all(gone(pid) for pid in ranks.values())
 
 
+def test_no_worker_outlives_a_launcher_killed_by_sigkill(long_run):
+    """SIGKILL (the out-of-memory killer's signal) gives the launcher no chance to stop its
+    workers: they must end by themselves, not train on as orphans."""
+    run = Launch(long_run)
+    run.wait_for("step    2/")
+    ranks = workers(run.proc.pid)
+    assert sorted(ranks) == [0, 1]
+    run.proc.kill()
+    run.proc.wait(30)
+    deadline = time.monotonic() + 15
+    while not all(gone(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in ranks.values() if not gone(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their launcher by 15 s"
+
+
 def test_a_worker_error_reaches_the_user_and_a_failed_save_does_not_stop_training(tmp_path):
     """Rank 0's save of step 2 fails (every rank learns it, training goes on, the step-4 save
     works), then rank 1 raises after step 5 while rank 0 goes on into step 6's collectives:

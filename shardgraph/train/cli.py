@@ -127,7 +127,8 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
         forwarded += ["--metrics", str(Path(args.metrics).resolve())]
     # One thread per process: N processes share the cores (torchrun would warn and set it).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ[LAUNCHED_ENV] = "1"
+    # the launcher's pid: its workers end with it, however it ends (see _end_with_launcher)
+    os.environ[LAUNCHED_ENV] = str(os.getpid())
     # torchrun's agent logs each worker it stops and a failure table: the report below says
     # it in one place (LOGLEVEL, torchrun's own switch, brings its logs back)
     quiet = "LOGLEVEL" not in os.environ
@@ -153,7 +154,37 @@ def _worker(args: argparse.Namespace) -> int:
     # Ctrl-C: torchrun forwards SIGINT to each worker; dying at once and quietly (even inside
     # a collective, where a Python handler would wait) leaves the one report to the launcher.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if os.environ.get(LAUNCHED_ENV, "").isdigit():
+        _end_with_launcher(int(os.environ[LAUNCHED_ENV]))
     return _run_in_place(args, None)
+
+
+def _end_with_launcher(launcher: int) -> None:
+    """Die when ``shardgraph train``'s launcher dies, by whatever signal: SIGKILL (the
+    out-of-memory killer's) gives it no chance to stop its workers, which would otherwise
+    train on, orphaned. Linux sends a parent-death signal (prctl PR_SET_PDEATHSIG); elsewhere
+    a thread watches the parent pid. Either way a launcher already gone ends this at once."""
+    import ctypes
+    import signal
+    import threading
+    import time
+
+    armed = False
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0
+    if os.getppid() != launcher:  # it died before the signal was armed
+        os._exit(128 + int(signal.SIGKILL))
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        os._exit(128 + int(signal.SIGKILL))
+
+    threading.Thread(target=watch, name="shardgraph-launcher-watch", daemon=True).start()
 
 
 def _run_in_place(args: argparse.Namespace, pipeline) -> int:
