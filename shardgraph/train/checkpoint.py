@@ -11,14 +11,18 @@ Every rank writes its shards into the ``.tmp`` directory; once all have finished
 any moment leaves the previous checkpoint untouched and loadable. Shards are saved as DTensors
 with their global shapes, so a checkpoint written under one plan loads under any other.
 
-``meta.json`` records the run's ``settings``: the whole model config and the training values
+``meta.json`` is the manifest: it lists every file of the checkpoint with its size and crc32,
+each rank checksumming the files it wrote; a resume checks them again (each rank a share, in
+parallel) before DCP reads a byte, so damage of the right length is refused, not trained on.
+``meta.json`` also records the run's ``settings``: the whole model config and the training values
 the saved state means something under (dtype, seq_len, optimizer, data, seed, batch size). A
 resume under other settings is refused before launch, naming each key; lr, weight_decay and
-grad_clip may change and are announced. A directory without ``meta.json`` or ``.metadata`` is
-not a checkpoint: it is never resumed from and a save of its step replaces it. A complete
-checkpoint whose shards are short or unreadable is refused (before launch when its files are
-short) with the previous complete checkpoint to resume from instead: falling back on our own
-would silently drop the newest steps, and a damaged file deserves a person's look.
+grad_clip may change and are announced. A directory without ``meta.json`` is an interrupted
+save, not a checkpoint: it is never resumed from and a save of its step replaces it. One with
+``meta.json`` completed its save, so a missing ``.metadata``, a missing or short shard or a
+checksum that does not match is damage: refused (before launch when the sizes show it) with the
+previous complete checkpoint to resume from instead. Falling back on our own would silently drop
+the newest steps, and a damaged file deserves a person's look.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +58,12 @@ LATEST = "LATEST"
 #: ``raise-in-step:STEP:RANK`` (the launcher's) raises on one rank after STEP.
 FAULT_ENV = "SHARDGRAPH_FAULT"
 _STEP_DIR = re.compile(r"step_\d+")
+#: the checksum of each file in the manifest (meta.json's "files"): zlib's crc32 reads ~1.4 GB/s
+#: here, and tells damaged bytes apart (it is no defence against an adversary)
+CHECKSUM = "crc32"
+_CHUNK = 8 * 2**20
+#: DCP's shard files are named after the rank that wrote them: ``__<rank>_<n>.distcp``
+_WRITER = re.compile(r"__(\d+)_")
 #: settings that may change on resume (a schedule tweak): announced, not refused
 ADJUSTABLE = ("train.lr", "train.weight_decay", "train.grad_clip")
 
@@ -79,7 +90,9 @@ def name(step: int) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    return (path / META).is_file() and (path / ".metadata").is_file()
+    """The save finished: meta.json is written last, into the ``.tmp`` directory before its
+    rename. Whether the files it lists are intact is ``check_intact``'s and ``verify``'s."""
+    return (path / META).is_file()
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -100,20 +113,30 @@ def read_meta(path: Path, key: str = "checkpoint.resume") -> dict[str, Any]:
                                    hint="give the path of a step_* directory in checkpoint.dir")])
     if not is_complete(path):
         raise PlanError([Violation(
-            "checkpoint", (key,), f"{str(path)!r} is not a complete checkpoint (no meta.json or "
-            "no .metadata): an interrupted or corrupt save",
-            hint="resume from an earlier step_* directory; nothing was deleted")])
+            "checkpoint", (key,), f"{str(path)!r} is not a complete checkpoint (no {META}): an "
+            "interrupted save", hint=_instead(path))])
+    meta, problem = _read_meta(path)
+    if problem is not None:
+        raise PlanError([Violation("checkpoint", (key,), f"checkpoint {path} is damaged: "
+                                   f"{problem}", hint=_instead(path))], subject="[checkpoint]")
+    return meta
+
+
+def _read_meta(path: Path) -> tuple[dict[str, Any], str | None]:
     try:
-        return json.loads((path / META).read_text())
+        meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as exc:
-        raise PlanError([Violation("checkpoint", (key,), f"{path / META} is unreadable: {exc}",
-                                   hint="resume from an earlier checkpoint")]) from None
+        return {}, f"its {META} is unreadable ({type(exc).__name__}: {exc})"
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        return {}, f"its {META} holds no step number"
+    return meta, None
 
 
 def previous(path: Path) -> Path | None:
-    """The newest complete checkpoint of the same directory older than ``path``."""
+    """The newest complete checkpoint of the same directory older than ``path`` whose files
+    are all there at their sizes (their bytes are checked when it is resumed from)."""
     older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
-    return older[-1] if older else None
+    return next((p for p in reversed(older) if _structure_problem(p) is None), None)
 
 
 def _instead(path: Path) -> str:
@@ -123,9 +146,9 @@ def _instead(path: Path) -> str:
              f"{path.name} out of {path.parent}")
     if prev is None:
         return f"no earlier complete checkpoint is left: {fresh}"
-    return (f"resume from the previous complete checkpoint: in [checkpoint] set "
-            f"resume = \"{prev}\" (its later steps are saved again over {path.name}), or "
-            f"{fresh}")
+    return (f"resume from the previous complete checkpoint for this one run: `shardgraph train "
+            f"FILE --resume {prev}` (the file keeps its resume setting; the steps after "
+            f"{prev.name} are saved again over {path.name}), or {fresh}")
 
 
 def settings(pipeline) -> dict[str, Any]:
@@ -191,32 +214,118 @@ def changed(meta: dict[str, Any], current: dict[str, Any]) -> str:
 
 
 def check_intact(path: Path) -> None:
-    """Refuse a complete checkpoint whose shard files are missing or shorter than its
-    ``.metadata`` says (a truncated copy, a disk error): found before launch, not by DCP's
-    traceback on every rank."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        meta = FileSystemReader(str(path)).read_metadata()
-        need: dict[str, int] = {}
-        for info in meta.storage_data.values():
-            end = info.offset + info.length
-            need[info.relative_path] = max(need.get(info.relative_path, 0), end)
-    except Exception as exc:  # a truncated or garbled pickle
-        problem = f"its .metadata is unreadable ({type(exc).__name__}: {exc})"
-    else:
-        problem = None
-        for name_, size in sorted(need.items()):
-            shard = path / name_
-            have = shard.stat().st_size if shard.is_file() else None
-            if have is None or have < size:
-                problem = (f"shard {name_} is missing" if have is None else
-                           f"shard {name_} holds {have} bytes, {size} expected: truncated")
-                break
+    """Refuse a complete checkpoint whose files are missing or of another size than its
+    manifest and ``.metadata`` say (a truncated copy, a disk error): found before launch, in
+    one process, by sizes alone; ``verify`` reads the bytes."""
+    problem = _structure_problem(path)
     if problem is not None:
         raise PlanError([Violation("checkpoint", ("checkpoint.resume",),
                                    f"checkpoint {path} is damaged: {problem}",
                                    hint=_instead(path))], subject="[checkpoint]")
+
+
+def _structure_problem(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files, by their presence and sizes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta, problem = _read_meta(path)
+    if problem is not None:
+        return problem
+    if not (path / ".metadata").is_file():
+        return (f"its .metadata (DCP's index of the shards) is missing, though {META} says "
+                "the save completed")
+    files = meta.get("files") or {}  # none in a checkpoint saved before the manifest
+    for name_, want in sorted(files.items()):
+        have = (path / name_).stat().st_size if (path / name_).is_file() else None
+        if have != want["bytes"]:
+            return (f"{name_} is missing" if have is None else
+                    f"{name_} holds {have} bytes, {want['bytes']} were written"
+                    + (": truncated" if have < want["bytes"] else ""))
+    try:
+        index = FileSystemReader(str(path)).read_metadata()
+        need: dict[str, int] = {}
+        for info in index.storage_data.values():
+            end = info.offset + info.length
+            need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    except Exception as exc:  # a truncated or garbled pickle
+        return f"its .metadata is unreadable ({type(exc).__name__}: {_torch_words(exc)})"
+    for name_, size in sorted(need.items()):
+        shard = path / name_
+        have = shard.stat().st_size if shard.is_file() else None
+        if have is None or have < size:
+            return (f"shard {name_} is missing" if have is None else
+                    f"shard {name_} holds {have} bytes, {size} expected: truncated")
+    return None
+
+
+def checksum(path: Path) -> str:
+    """``CHECKSUM`` of a file's bytes, read in chunks into one buffer."""
+    crc, buf = 0, bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+def _writer(name_: str, world: int) -> int:
+    """The rank that checksums ``name_`` at save: the one that wrote it (DCP's name says),
+    rank 0 for the rest (``.metadata``)."""
+    m = _WRITER.match(name_)
+    return int(m.group(1)) if m and int(m.group(1)) < world else 0
+
+
+def _manifest(tmp: Path) -> dict[str, dict[str, Any]]:
+    """Size and checksum of each file this rank wrote into ``tmp`` (still in its page cache)."""
+    rank, world = _rank(), dist.get_world_size() if dist.is_initialized() else 1
+    return {p.name: {"bytes": p.stat().st_size, CHECKSUM: checksum(p)}
+            for p in sorted(tmp.iterdir())
+            if p.is_file() and p.name != META and _writer(p.name, world) == rank}
+
+
+def verify(path: Path) -> None:
+    """Refuse ``path`` on every rank if any file's bytes differ from the manifest: each rank
+    reads its share of the files (in parallel), and all agree before DCP reads anything."""
+    meta, problem = _read_meta(path)
+    files = meta.get("files") or {}
+    if problem is None:
+        rank, world = _rank(), dist.get_world_size() if dist.is_initialized() else 1
+        for name_ in sorted(files)[rank::world]:
+            f, want = path / name_, files[name_]
+            if not f.is_file():
+                problem = f"{name_} is missing"
+                break
+            try:
+                have = f.stat().st_size
+                got = checksum(f) if have == want["bytes"] else None
+            except OSError as exc:
+                problem = f"{name_} cannot be read ({type(exc).__name__}: {exc.strerror})"
+                break
+            if got is None:
+                problem = f"{name_} holds {have} bytes, {want['bytes']} were written"
+                break
+            if got != want[CHECKSUM]:
+                problem = (f"{name_} does not match its checksum ({CHECKSUM} {got}, "
+                           f"{want[CHECKSUM]} when saved): its bytes changed after the save")
+                break
+    problem = _agree(problem)
+    if problem is not None:
+        raise PlanError([Violation("checkpoint", ("checkpoint.resume",),
+                                   f"checkpoint {path} is damaged: {problem}",
+                                   hint=_instead(path))], subject="[checkpoint]")
+
+
+def _torch_words(exc: BaseException) -> str:
+    """``exc``'s text without torch's advice to load with ``weights_only=False`` (which runs
+    whatever code a file holds: never the advice for a damaged checkpoint)."""
+    text = str(exc).strip()
+    if "weights_only" not in text:
+        return text
+    # torch's own words follow "WeightsUnpickler error:" on the next non-empty line
+    tail = text.rsplit("WeightsUnpickler error:", 1)[1:]
+    lines = [line.strip() for line in "".join(tail).splitlines() if line.strip()]
+    return lines[0] if lines and "weights_only" not in lines[0] else \
+        "a pickled record is unreadable"
 
 
 def _agree(problem: str | None) -> str | None:
@@ -227,6 +336,15 @@ def _agree(problem: str | None) -> str | None:
     seen: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, problem)
     return next((p for p in seen if p is not None), None)
+
+
+def _gather_files(files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's manifest entries, merged (on every rank)."""
+    if not dist.is_initialized():
+        return files
+    seen: list[dict[str, dict[str, Any]]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(seen, files)
+    return {k: v for part in seen for k, v in sorted(part.items())}
 
 
 def _failed(root: Path, step: int, problem: str) -> SaveFailed:
@@ -269,6 +387,14 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         # dcp.save agrees by itself, but a rank failing before it must not leave the rest
         # in its collectives
         problem = _agree(problem)
+    files: dict[str, dict[str, Any]] = {}
+    if problem is None:
+        try:
+            files = _manifest(tmp)
+        except OSError as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        files = _gather_files(files)
+        problem = _agree(problem)
     if problem is None:
         if f"kill-in-save:{step}" in fault:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -276,7 +402,8 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
             try:
                 if f"enospc-in-save:{step}" in fault:
                     raise OSError(28, "No space left on device (SHARDGRAPH_FAULT)")
-                _write_atomic(tmp / META, json.dumps({**meta, "step": step}, indent=1))
+                _write_atomic(tmp / META, json.dumps(
+                    {**meta, "step": step, "checksum": CHECKSUM, "files": files}, indent=1))
                 _replace_dir(tmp, final)
                 _write_atomic(root / LATEST, final.name + "\n")
             except OSError as exc:
@@ -313,8 +440,8 @@ def _root_cause(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, (inner, _trace) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
-        return f"rank {rank}: {type(inner).__name__}: {str(inner).strip()[:300]}"
-    return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        return f"rank {rank}: {type(inner).__name__}: {_torch_words(inner)[:300]}"
+    return f"{type(exc).__name__}: {_torch_words(exc)[:300]}"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -327,7 +454,9 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load ``path`` into the (parallelised) model and optimizer, resharding as needed."""
+    """Load ``path`` into the (parallelised) model and optimizer, resharding as needed, once
+    every file is verified against the manifest (a collective)."""
+    verify(path)
     if optimizer is None:
         model_sd = get_model_state_dict(model)
         state = {"model": model_sd}
