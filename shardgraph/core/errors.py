@@ -29,20 +29,28 @@ TRAINING_SECTIONS = ("model", "data", "train", "checkpoint")
 PLAN_SUBJECT = "the parallelism plan"
 
 
+COMMAND_LINE = "the command line"
+
+
 def subject_of(violations: Iterable[Violation]) -> str:
-    """What failed, for an error's first line: ``the parallelism plan`` when any key is outside
-    the training sections (or no key is given), else the training sections named
-    (``[train]``, ``[model] and [train]``)."""
-    sections = set()
+    """What failed, for an error's first line: each part its keys lie in, in the file's order:
+    ``the parallelism plan`` (any key outside the training sections, or none), the training
+    sections named (``[train]``, ``[model] and [train]``), ``the command line`` (``--nproc``)."""
+    plan, sections, options = False, set(), False
     for v in violations:
         for key in v.keys or ("",):
             head = key.split(".", 1)[0]
-            if head not in TRAINING_SECTIONS:
-                return PLAN_SUBJECT
-            sections.add(head)
-    if not sections:
+            if key.startswith("--"):
+                options = True
+            elif head in TRAINING_SECTIONS:
+                sections.add(head)
+            else:
+                plan = True
+    names = [PLAN_SUBJECT] if plan else []
+    names += [f"[{s}]" for s in TRAINING_SECTIONS if s in sections]
+    names += [COMMAND_LINE] if options else []
+    if not names:
         return PLAN_SUBJECT
-    names = [f"[{s}]" for s in TRAINING_SECTIONS if s in sections]
     return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 

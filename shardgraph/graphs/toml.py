@@ -61,13 +61,17 @@ DISTRIBUTED_KEYS = ("strategy", "dp_size", *SIZE_KEYS, *SWITCHES, "pipeline", "m
 STRATEGY_ALIASES = {"megatron-fsdp": "megatron_fsdp", "mfsdp": "megatron_fsdp"}
 
 
+#: the first line of an error about the file itself, not what it describes
+FILE_SUBJECT = "the pipeline file"
+
+
 def read(path: str | Path) -> str:
     """A pipeline file's text; an unreadable file is a PlanError naming it."""
     try:
         return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise PlanError([Violation("file", (str(path),), f"cannot read {path}: {exc.strerror}",
-                                   hint="check the path")]) from None
+                                   hint="check the path")], subject=FILE_SUBJECT) from None
 
 
 def load_toml(path: str | Path, *, strict: bool = True) -> Graph:
@@ -84,7 +88,7 @@ def parse(text: str, source: str = "<string>") -> dict[str, Any]:
         raise PlanError([Violation(
             "toml", (source,), f"malformed TOML in {source}: {exc}",
             hint="fix the syntax at the line and column shown",
-        )]) from None
+        )], subject=FILE_SUBJECT) from None
 
 
 def loads_toml(text: str, *, source: str = "<string>", strict: bool = True) -> Graph:

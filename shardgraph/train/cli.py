@@ -10,9 +10,11 @@ import sys
 import traceback
 from pathlib import Path
 
+import attrs
+
 from ..cli import COMMANDS
 from ..core.errors import PlanError, Violation
-from .config import load_pipeline, loads_pipeline
+from .config import Pipeline, load_pipeline, loads_pipeline, read_pipeline
 from .defaults import DEFAULT_NPROC, DEFAULT_PIPELINE
 
 
@@ -21,9 +23,37 @@ def _under_torchrun() -> bool:
 
 
 def _pipeline(args: argparse.Namespace):
+    pipeline, problems = _read(args)
+    problems = [*pipeline.graph.problems, *problems]
+    if problems:
+        raise PlanError(problems)
+    return pipeline
+
+
+def _read(args: argparse.Namespace) -> tuple[Pipeline, list[Violation]]:
+    """The pipeline of the command line and the problems of its file's training sections and
+    of the options (the plan's ride on ``pipeline.graph.problems``): only a file that cannot be
+    read or parsed raises."""
     if args.file is None:
-        return loads_pipeline(DEFAULT_PIPELINE, "<default pipeline>")
-    return load_pipeline(args.file)
+        pipeline, bad = loads_pipeline(DEFAULT_PIPELINE, "<default pipeline>"), []
+    else:
+        pipeline, bad = read_pipeline(args.file)
+    steps = getattr(args, "steps", None)
+    if steps is not None and steps < 1:
+        bad.append(Violation("value", ("--steps",), f"--steps must be >= 1, got {steps}",
+                             hint="e.g. --steps 20"))
+    resume = getattr(args, "resume", None)
+    if resume is None:
+        return pipeline, bad
+    if not Path(resume).is_dir():
+        bad.append(Violation(
+            "checkpoint", ("--resume",), f"checkpoint {resume!r} does not exist",
+            hint="give a step_* directory of [checkpoint] dir, or leave --resume out"))
+        return pipeline, bad
+    # for this run only: the file keeps its own setting (resume = "auto" goes on working
+    # after `keep` has deleted this checkpoint)
+    return attrs.evolve(pipeline, checkpoint=attrs.evolve(
+        pipeline.checkpoint, resume=str(Path(resume).resolve()))), bad
 
 
 def _nproc(args: argparse.Namespace, pipeline) -> int:
@@ -49,6 +79,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="train this many steps (total, "
                    "counting those a resumed checkpoint already did)")
     p.add_argument("--metrics", default=None, help="append one JSON object per step to FILE")
+    p.add_argument("--resume", default=None, metavar="PATH",
+                   help="resume this run from the checkpoint PATH (a step_* directory) instead "
+                   "of the file's [checkpoint] resume; the file is not changed")
 
 
 class _Stopped(BaseException):
@@ -94,13 +127,15 @@ def _launcher(args: argparse.Namespace) -> int:
 
     from .preflight import check
 
-    if args.steps is not None and args.steps < 1:
-        raise PlanError([Violation("value", ("--steps",), f"--steps must be >= 1, got "
-                                   f"{args.steps}", hint="e.g. --steps 20")])
-    pipeline = _pipeline(args)
-    nproc = _nproc(args, pipeline)
-    # every plan, model, data and checkpoint problem at once, before anything is launched
-    check(pipeline, nproc, "--nproc")
+    pipeline, problems = _read(args)
+    nproc = None
+    try:
+        nproc = _nproc(args, pipeline)
+    except PlanError as exc:
+        problems += exc.violations
+    # every problem of the file and the options at once (plan, model, data, checkpoint),
+    # whatever the section, before anything is launched
+    check(pipeline, nproc, "--nproc", problems)
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise PlanError([Violation(
             "world-size", ("--nproc",), f"--nproc {nproc} but this node has "
@@ -125,6 +160,8 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
         forwarded += ["--steps", str(args.steps)]
     if args.metrics is not None:
         forwarded += ["--metrics", str(Path(args.metrics).resolve())]
+    if args.resume is not None:
+        forwarded += ["--resume", str(Path(args.resume).resolve())]
     # One thread per process: N processes share the cores (torchrun would warn and set it).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the launcher's pid: its workers end with it, however it ends (see _end_with_launcher)
@@ -203,9 +240,6 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
     code = 0
     try:
         if pipeline is None:
-            if args.steps is not None and args.steps < 1:
-                raise PlanError([Violation("value", ("--steps",), f"--steps must be >= 1, "
-                                           f"got {args.steps}", hint="e.g. --steps 20")])
             pipeline = _pipeline(args)
         if launched and not dist.is_initialized():
             if torch.cuda.is_available():

@@ -103,6 +103,12 @@ def _section(name: str, table: Any, bad: list[Violation]) -> Any:
     value, problems = structure_options(cls, table, lambda key: f"{name}.{key}", name,
                                         section=True)
     bad += problems
+    if value is None:
+        # the keys that failed take their defaults, so the section's other keys are still
+        # checked (and the checks that read them still run)
+        failed = {v.keys[0].split(".", 1)[-1] for v in problems if v.keys}
+        value, _ = structure_options(cls, {k: v for k, v in table.items() if k not in failed},
+                                     lambda key: f"{name}.{key}", name, section=True)
     return cls() if value is None else value
 
 
@@ -178,17 +184,28 @@ def _data_path_rules(data: DataConfig, need) -> None:
 
 
 def pipeline_from_dict(data: Mapping[str, Any], source: str = "<string>") -> Pipeline:
-    bad: list[Violation] = []
-    try:
-        graph = graph_from_dict(data)
-    except PlanError as exc:
-        bad += exc.violations
-        graph = Graph()
-    sections = {name: _section(name, data.get(name, {}), bad) for name in SECTIONS}
-    _rules(sections, bad)
+    pipeline, bad = pipeline_and_problems(data, source)
+    bad = [*pipeline.graph.problems, *bad]
     if bad:
         raise PlanError(bad)
-    return Pipeline(graph=graph, source=source, raw=dict(data), **sections)
+    return pipeline
+
+
+def pipeline_and_problems(data: Mapping[str, Any],
+                          source: str = "<string>") -> tuple[Pipeline, list[Violation]]:
+    """The pipeline and the problems of its training sections, without raising: a key that
+    fails keeps its default, so what the other keys and sections say can still be checked.
+    The plan's own problems ride on ``graph.problems`` and ``compile`` reports them."""
+    bad: list[Violation] = []
+    graph = graph_from_dict(data, strict=False)
+    sections = {name: _section(name, data.get(name, {}), bad) for name in SECTIONS}
+    _rules(sections, bad)
+    return Pipeline(graph=graph, source=source, raw=dict(data), **sections), bad
+
+
+def read_pipeline(path: str | Path) -> tuple[Pipeline, list[Violation]]:
+    """``pipeline_and_problems`` of a file; only an unreadable or malformed file raises."""
+    return pipeline_and_problems(parse(read(path), str(path)), str(path))
 
 
 def loads_pipeline(text: str, source: str = "<string>") -> Pipeline:

@@ -17,37 +17,57 @@ from __future__ import annotations
 import errno
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+
+import attrs
 
 from ..core.errors import PlanError, Violation
 from .config import Pipeline
 
 
-def check(pipeline: Pipeline, nproc: int, nproc_key: str = "--nproc") -> Path | None:
+def check(pipeline: Pipeline, nproc: int | None, nproc_key: str = "--nproc",
+          problems: Sequence[Violation] = ()) -> Path | None:
     """Every problem of ``pipeline`` at ``nproc`` processes as one ``PlanError``; else the
-    checkpoint a run will resume from (None: a fresh start)."""
+    checkpoint a run will resume from (None: a fresh start).
+
+    ``problems``: those already found in the file's training sections and on the command line
+    (``nproc`` None: it was refused). They are reported with the rest; a check that reads a
+    key among them is skipped (its message would be a consequence, not a second problem)."""
     from .loop import compile_for, resume_point
 
-    bad: list[Violation] = []
+    bad: list[Violation] = list(problems)
+    doubtful = {k for v in problems for k in v.keys}
+
+    def sound(*prefixes: str) -> bool:
+        return not any(k == p or k.startswith(p + ".") for k in doubtful for p in prefixes)
+
     plan = None
-    try:
-        plan = compile_for(pipeline, nproc, nproc_key)
-    except PlanError as exc:
-        bad += exc.violations
-    model = _model(pipeline, bad)
-    resume, model_bytes = None, None
-    if model is not None:  # data and resume checks need a model that builds
+    if nproc is not None and sound("train.global_batch_size", "train.micro_batch_size"):
+        try:
+            plan = compile_for(pipeline, nproc, nproc_key)
+        except PlanError as exc:
+            bad += exc.violations
+    else:  # the plan's own problems are still the file's
+        bad += pipeline.graph.problems
+    model = _model(pipeline, bad) if sound("model") else None
+    model_bytes = None
+    if model is not None:
         if plan is not None:
             _model_checks(plan, model, nproc, bad)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if sound("model", "data"):
         _data(pipeline, bad)
-    bad += checkpoint_dir(pipeline, model_bytes)
-    if model is not None:
+    if sound("checkpoint", "train.optimizer", "train.momentum"):
+        bad += checkpoint_dir(pipeline, model_bytes)
+    resume = None
+    if model is not None and not doubtful:  # the settings a checkpoint is checked against
         try:
             resume = resume_point(pipeline)
         except PlanError as exc:
             bad += exc.violations
-    bad += _export_dir(pipeline)
+    if sound("checkpoint.export_hf"):
+        bad += _export_dir(pipeline)
     if bad:
         raise PlanError(bad)
     return resume
@@ -95,11 +115,18 @@ def _model_checks(plan, model, nproc: int, bad: list[Violation]) -> None:
 
 def _data(pipeline: Pipeline, bad: list[Violation]) -> None:
     """The data module's own checks (file readable, token ids within the vocabulary, seq_len
-    within the model's positions, ...)."""
+    within the model's positions, ...), against the model's config: without the
+    ``[model.config]`` keys the model refused, if it did (its vocabulary is still known)."""
     from .data import check as check_data
     from .model import hf_config
 
-    config = hf_config(pipeline.model)
+    spec = pipeline.model
+    refused = {k.split(".", 2)[2] for v in bad for k in v.keys if k.startswith("model.config.")}
+    try:
+        config = hf_config(attrs.evolve(spec, config={
+            k: v for k, v in spec.config.items() if k not in refused}))
+    except Exception:  # noqa: BLE001 - the model's own problem is reported by _model; with
+        return  # no config there is no vocabulary to check the tokens against
     bad += check_data(pipeline, config.vocab_size,
                       getattr(config, "max_position_embeddings", None))
 
