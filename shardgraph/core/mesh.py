@@ -166,12 +166,17 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
     for axis, req in owners.items():
         if req.within_node and axis in sizes and gpus is not None and gpus % sizes[axis]:
             fits = [d for d in divisors(gpus) if d > 1]
+            # a default the user never wrote is said to be one, with where to set it
+            unset = request.gpus_per_node is None
+            node = (f"the default gpus_per_node = {gpus} ({gpus_key} is not set)" if unset
+                    else f"gpus_per_node = {gpus}")
+            own = f", or set {gpus_key} to the GPUs (or processes) of one node" if unset else ""
             bad.append(Violation(
-                "within-node", (req.size_key, gpus_key),
-                f"{req.owner} = {sizes[axis]} does not divide gpus_per_node = {gpus}: its "
-                "groups would span nodes",
-                hint=f"choose a divisor of {gpus} ({divisor_list(fits)})" if fits else
-                f"gpus_per_node = {gpus} leaves no room for {req.owner}: remove it",
+                "within-node", (req.size_key,) if unset else (req.size_key, gpus_key),
+                f"{req.owner} = {sizes[axis]} does not divide {node}: its groups would span "
+                "nodes",
+                hint=(f"choose a divisor of {gpus} ({divisor_list(fits)}){own}" if fits else
+                      f"gpus_per_node = {gpus} leaves no room for {req.owner}: remove it{own}"),
                 plugin=req.owner,
             ))
 

@@ -21,6 +21,7 @@ with ``input_ids`` as transformers takes them (the loss shifts them by one) and 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,10 @@ def _load(spec: DataConfig, vocab_size: int, model_path: str | None
 
 # -- token files -----------------------------------------------------------------------------
 
+#: the first bytes of every file ``np.save`` writes
+NPY_MAGIC = b"\x93NUMPY"
+
+
 def _read_tokens(path: Path, token_dtype: str, vocab_size: int
                  ) -> tuple[np.ndarray | None, list[Violation]]:
     def bad(message: str, hint: str) -> tuple[None, list[Violation]]:
@@ -160,6 +165,12 @@ def _read_tokens(path: Path, token_dtype: str, vocab_size: int
     if path.suffix == ".txt":
         data = np.memmap(path, dtype=np.uint8, mode="r")
     elif path.suffix == ".npy":
+        with open(path, "rb") as f:
+            head = f.read(len(NPY_MAGIC))
+        if head != NPY_MAGIC:  # numpy would try it as a pickle and say "pickled data"
+            return bad("is not a .npy file (it does not start with NumPy's header: text or "
+                       "another format under a .npy name)", save_ids + "; for UTF-8 text "
+                       "use a .txt file")
         try:
             data = np.load(path, mmap_mode="r", allow_pickle=False)
         except ValueError as exc:
@@ -253,16 +264,25 @@ def _read_table(file: Path) -> tuple[tuple[list[str] | None, list[str]] | None,
         return None, Violation("data", ("data.path",), f"{file}: {message}", hint=hint)
 
     builder = "json" if file.suffix == ".jsonl" else "parquet"
+    # the json reader logs its own line about a bad file (with the absolute path) before
+    # raising: the report below says it once, in our words
+    quiet = logging.getLogger("datasets")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         # A private cache: ranks reading the same file at once never share a cache lock.
         with tempfile.TemporaryDirectory() as cache:
             table = load_dataset(builder, data_files=str(file), split="train", cache_dir=cache,
                                  keep_in_memory=True)
     except Exception as exc:  # noqa: BLE001 - any reader failure is a bad file, said as such
+        while exc.__cause__ is not None:  # "An error occurred while generating the dataset"
+            exc = exc.__cause__           # wraps the reader's own words
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return problem(f"cannot be read as {builder} ({first})",
                        "one JSON object per line (.jsonl), or a parquet table; fix or remove "
                        "the file")
+    finally:
+        quiet.setLevel(level)
     columns = set(table.column_names)
     if {"prompt", "completion"} <= columns:
         fields = ("prompt", "completion")
