@@ -178,29 +178,91 @@ def test_incomplete_dir_is_replaced_and_a_new_lr_announced(saved, capsys):
     assert "resumed from" in (out := capsys.readouterr().out) and "train.lr 0.01 -> 0.02" in out
 
 
+def losses(metrics: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
 def test_damaged_checkpoint_names_itself_and_the_previous_one(saved, tmp_path, capsys):
+    """Sizes are checked before launch; bytes when a resume reads them (checksums of the
+    manifest). The advice resumes for one run (``--resume``): the file keeps resume = "auto",
+    which goes on working once ``keep`` has deleted that checkpoint."""
     tmp, root, reference = saved
     work = tmp / "damaged"
     shutil.copytree(root, work)
+    manifest = json.loads((work / "step_00000004" / ckpt.META).read_text())["files"]
+    assert sorted(manifest) == [".metadata", "__0_0.distcp"]
+    assert all(len(f[ckpt.CHECKSUM]) == 8 and f["bytes"] > 0 for f in manifest.values())
     shard = sorted((work / "step_00000004").glob("*.distcp"))[0]
     os.truncate(shard, shard.stat().st_size // 2)
-    text = pipeline_text(work, steps=6)
-    assert main(["train", str(write(tmp_path / "p.toml", text)), "--nproc", "2"]) == 2
+    path = write(tmp_path / "p.toml", pipeline_text(work, steps=6))
+    assert main(["train", str(path), "--nproc", "2"]) == 2
     err = capsys.readouterr().err
     assert f"checkpoint {work / 'step_00000004'} is damaged" in err and "truncated" in err
-    assert f'resume = "{work / "step_00000002"}"' in err
-    # followed: resume from step 2; the damaged step 4 is saved again over
-    out = train(loads_pipeline(pipeline_text(work, steps=6, checkpoint=f'resume = '
-                                             f'"{work / "step_00000002"}"')))
-    assert [r["loss"] for r in out["rows"]] == pytest.approx(reference[2:6], abs=1e-6)
+    assert f"shardgraph train FILE --resume {work / 'step_00000002'}" in err
+    # followed for one run: step 4 is saved again over the damaged one
+    assert main(["train", str(path), "--nproc", "1", "--resume", str(work / "step_00000002"),
+                 "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    assert losses(tmp_path / "m.jsonl") == pytest.approx(reference[2:6], abs=1e-6)
+    assert [p.name for p in ckpt.complete_checkpoints(work)] == ["step_00000004",
+                                                                 "step_00000006"]
     ckpt.check_intact(work / "step_00000004")
-    # damage of the right length shows only when DCP reads it: the same advice, no traceback
+    # damage of the right length: 64 bytes zeroed mid-file, found by the checksum
+    good = tmp / "good6"
+    shutil.copytree(work / "step_00000006", good)
     shard = sorted((work / "step_00000006").glob("*.distcp"))[0]
     with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
         f.write(b"\0" * 64)
-    with pytest.raises(PlanError, match="cannot load checkpoint .*step_00000006") as info:
+    with pytest.raises(PlanError, match=f"{shard.name} does not match its checksum") as info:
         train(loads_pipeline(pipeline_text(work, steps=8)))
-    assert f'resume = "{work / "step_00000004"}"' in info.value.violations[0].hint
+    [v] = info.value.violations
+    assert f"checkpoint {work / 'step_00000006'} is damaged" in v.message
+    assert f"--resume {work / 'step_00000004'}" in v.hint
+    # .metadata missing beside an intact meta.json and shards: damage, not a skipped save
+    shutil.rmtree(work / "step_00000006")
+    shutil.copytree(good, work / "step_00000006")
+    (work / "step_00000006" / ".metadata").unlink()
+    with pytest.raises(PlanError, match=r"its \.metadata .* is missing") as info:
+        train(loads_pipeline(pipeline_text(work, steps=8)))
+    assert f"--resume {work / 'step_00000004'}" in info.value.violations[0].hint
+    # garbage in meta.json names the previous checkpoint too
+    shutil.copy(good / ".metadata", work / "step_00000006")
+    (work / "step_00000006" / ckpt.META).write_text("{garbage")
+    with pytest.raises(PlanError, match=r"meta\.json is unreadable") as info:
+        train(loads_pipeline(pipeline_text(work, steps=8)))
+    assert f"--resume {work / 'step_00000004'}" in info.value.violations[0].hint
+    # the file still resumes by itself ("auto") once the damaged step is repaired
+    shutil.copy(good / ckpt.META, work / "step_00000006")
+    out = train(loads_pipeline(pipeline_text(work, steps=7)))
+    assert [r["step"] for r in out["rows"]] == [7]
+
+
+def test_torchs_weights_only_advice_never_reaches_the_user(saved):
+    """A checkpoint without checksums (saved before the manifest) whose first tensor record
+    has a zeroed header: torch's error carries its advice to load with weights_only=False,
+    which would run whatever code the file holds; the report keeps only the cause."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    tmp, root, _ = saved
+    work = tmp / "pickled"
+    shutil.copytree(root, work)
+    step = work / "step_00000004"
+    meta = json.loads((step / ckpt.META).read_text())
+    del meta["files"]
+    (step / ckpt.META).write_text(json.dumps(meta))
+    index = FileSystemReader(str(step)).read_metadata()
+    info = min((info for idx, info in index.storage_data.items()
+                if not isinstance(index.state_dict_metadata[idx.fqn], BytesStorageMetadata)),
+               key=lambda info: info.offset)
+    with open(step / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\0" * 64)
+    with pytest.raises(PlanError, match="cannot load checkpoint") as err:
+        train(loads_pipeline(pipeline_text(work, steps=6)))
+    text = str(err.value)
+    assert "UnpicklingError" in text, text
+    assert "weights_only" not in text and "arbitrary code" not in text, text
 
 
 def test_a_failed_final_save_keeps_the_checkpoints_and_says_where_to_point_dir(

@@ -1,0 +1,130 @@
+"""``shardgraph train`` refuses a file with every problem at once, whatever the sections they
+lie in, and says each in words that fit: what failed in the first line (the plan, a training
+section, the command line, the file itself), no reader's log line, no default passed off as
+the user's setting.
+
+Nothing here launches a worker: every case is refused before launch, in this process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardgraph.cli import main
+from shardgraph.core.errors import PlanError
+from shardgraph.graphs import Graph
+from tests.test_failwell import pipeline_text, write
+
+
+def refused(capsys, path, *options: str) -> str:
+    assert main(["train", str(path), "--nproc", "2", *options]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def keys_of(err: str) -> list[str]:
+    """The keys of each reported problem: ``  - [rule] key, key: message``."""
+    return [line.split("] ", 1)[1].split(": ", 1)[0] for line in err.splitlines()
+            if line.startswith("  - [")]
+
+
+def test_problems_in_three_sections_are_all_reported(tmp_path, capsys):
+    """A key the model refuses, an unknown optimizer and a negative lr: the section rules used
+    to stop the run before the model was built."""
+    text = pipeline_text(tmp_path / "ck", config="hiden_size = 48").replace(
+        'optimizer = "sgd"', 'optimizer = "adam"').replace("lr = 0.01", "lr = -1")
+    err = refused(capsys, write(tmp_path / "p.toml", text))
+    assert sorted(keys_of(err)) == ["model.config.hiden_size", "train.lr", "train.optimizer"]
+    assert err.startswith("shardgraph train: 3 problems in [model] and [train]:")
+
+
+def test_an_unknown_section_hides_neither_the_data_nor_the_checkpoint(tmp_path, capsys):
+    """``[trian]``, a checkpoint dir under a file and token ids beyond the vocabulary."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(200, dtype=np.int32))
+    in_the_way = write(tmp_path / "a_file", "x")
+    text = pipeline_text(in_the_way / "ck").replace("[data]", f'[data]\npath = "{ids}"')
+    err = refused(capsys, write(tmp_path / "p.toml", text + "\n[trian]\nsteps = 3\n"))
+    assert "unknown section 'trian' (did you mean 'train'?)" in err
+    assert "holds token id 199 but the model's vocab_size is 128" in err
+    assert f"{in_the_way} is a file, not a directory" in err
+    assert len(keys_of(err)) == 3
+
+
+def test_a_key_of_the_wrong_type_keeps_the_rest_of_its_section(tmp_path, capsys):
+    """``steps = "x"`` fails alone: what reads the same section's other keys (the plan's batch
+    split) and every other section are still checked, and the command line with them."""
+    text = pipeline_text(tmp_path / "ck", plugins="[plugins.tp]\nsize = 2").replace(
+        "steps = 4", 'steps = "x"').replace("num_attention_heads = 4", "num_attention_heads = 3"
+                                            ).replace("num_key_value_heads = 2",
+                                                      "num_key_value_heads = 3")
+    text = text.replace("hidden_size = 32", "hidden_size = 48")
+    err = refused(capsys, write(tmp_path / "p.toml", text), "--steps", "0")
+    assert "[type] train.steps: expected int" in err
+    # the plan compiled (it reads [train]'s batch sizes) and met the model
+    assert "num_attention_heads = 3 is not divisible by tp = 2" in err
+    assert "[value] --steps: --steps must be >= 1, got 0" in err
+    assert "and the command line:" in err.splitlines()[0]
+
+
+@pytest.mark.parametrize("case, subject", [
+    ("nproc", "the command line"), ("missing", "the pipeline file"),
+    ("syntax", "the pipeline file")])
+def test_the_first_line_names_what_failed(tmp_path, capsys, case, subject):
+    good = write(tmp_path / "p.toml", pipeline_text(tmp_path / "ck"))
+    args = {"nproc": [str(good), "--nproc", "0"],
+            "missing": [str(tmp_path / "nowhere.toml"), "--nproc", "2"],
+            "syntax": [str(write(tmp_path / "s.toml", "[train\nsteps = 1")), "--nproc", "2"]}
+    assert main(["train", *args[case]]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == f"shardgraph train: 1 problem in {subject}:", first
+
+
+def test_resume_names_a_checkpoint_that_is_not_there(tmp_path, capsys):
+    err = refused(capsys, write(tmp_path / "p.toml", pipeline_text(tmp_path / "ck")),
+                  "--resume", str(tmp_path / "ck" / "step_00000002"))
+    assert "[checkpoint] --resume: checkpoint" in err and "does not exist" in err
+    assert err.splitlines()[0].endswith("1 problem in the command line:")
+
+
+def test_text_saved_as_npy_is_not_called_pickled(tmp_path, capsys):
+    text_file = write(tmp_path / "tokens.npy", "plain text, not an array\n")
+    text = pipeline_text(tmp_path / "ck").replace("[data]", f'[data]\npath = "{text_file}"')
+    err = refused(capsys, write(tmp_path / "p.toml", text))
+    assert "is not a .npy file (it does not start with NumPy's header" in err
+    assert "pickled" not in err and "use a .txt file" in err
+    # an array of Python objects is what "pickled" means
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    text = pipeline_text(tmp_path / "ck").replace(
+        "[data]", f'[data]\npath = "{tmp_path / "objects.npy"}"')
+    assert "holds pickled Python objects" in refused(capsys, write(tmp_path / "q.toml", text))
+
+
+def test_a_malformed_jsonl_is_reported_once_in_our_words(tmp_path, capfd):
+    pytest.importorskip("datasets")
+    bad = write(tmp_path / "rows.jsonl", '{"text": "a"}\n{"text": \n')
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    text = pipeline_text(tmp_path / "ck").replace(
+        "[data]", f'[data]\npath = "{bad}"\ntokenizer = "{tok}"')
+    assert main(["train", str(write(tmp_path / "p.toml", text)), "--nproc", "2"]) == 2
+    err = capfd.readouterr().err
+    # the json reader logged its own line, with the path, before our report
+    assert "Failed to load JSON" not in err, err
+    assert "cannot be read as json (JSON parse error" in err
+
+
+def test_a_default_gpus_per_node_is_said_to_be_one():
+    with pytest.raises(PlanError) as info:
+        Graph().add("fsdp2").add("tp", size=3).compile(world_size=6)
+    [v] = info.value.violations
+    assert v.keys == ("plugins.tp.size",)
+    assert "the default gpus_per_node = 8 (gpus_per_node is not set)" in v.message
+    assert "or set gpus_per_node to the GPUs (or processes) of one node" in v.hint
+    with pytest.raises(PlanError) as info:
+        Graph().add("fsdp2").add("tp", size=3).compile(world_size=6, gpus_per_node=4)
+    [v] = info.value.violations
+    assert v.keys == ("plugins.tp.size", "gpus_per_node")
+    assert "does not divide gpus_per_node = 4" in v.message and "default" not in v.message
