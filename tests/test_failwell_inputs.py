@@ -128,3 +128,27 @@ def test_a_default_gpus_per_node_is_said_to_be_one():
     [v] = info.value.violations
     assert v.keys == ("plugins.tp.size", "gpus_per_node")
     assert "does not divide gpus_per_node = 4" in v.message and "default" not in v.message
+
+
+def test_plan_with_a_tp_plan_table_imports_no_torch(tmp_path):
+    """``shardgraph plan`` reads a ``[plugins.tp.plan]`` table's style names without torch
+    (the README says plan imports neither torch nor transformers)."""
+    import subprocess
+    import sys
+
+    from shardgraph.parallelisms import tp
+    from shardgraph.parallelisms.tp import _styles
+
+    assert tuple(_styles.STYLES) == tp.STYLE_NAMES
+    path = write(tmp_path / "p.toml", '[plugins.fsdp2]\n[plugins.tp]\nsize = 2\n'
+                 '[plugins.tp.plan]\n"layers.*.self_attn.q_proj" = "colwise"\n'
+                 '"layers.*.mlp.down_proj" = "rowwize"\n')
+    code = ("import sys; from shardgraph.cli import main; rc = main(%r); "
+            "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules); "
+            "print('HEAVY', heavy, file=sys.stderr); sys.exit(rc)"
+            % ["plan", str(path), "--world-size", "4"])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert "unknown TP style 'rowwize'" in done.stderr and "did you mean 'rowwise'" in \
+        done.stderr, done.stderr
+    assert "HEAVY []" in done.stderr
