@@ -191,7 +191,7 @@ def test_damaged_checkpoint_names_itself_and_the_previous_one(saved, tmp_path, c
     shutil.copytree(root, work)
     manifest = json.loads((work / "step_00000004" / ckpt.META).read_text())["files"]
     assert sorted(manifest) == [".metadata", "__0_0.distcp"]
-    assert all(len(f[ckpt.CHECKSUM]) == 8 and f["bytes"] > 0 for f in manifest.values())
+    assert all(len(f[ckpt.CHECKSUM]) == 16 and f["bytes"] > 0 for f in manifest.values())
     shard = sorted((work / "step_00000004").glob("*.distcp"))[0]
     os.truncate(shard, shard.stat().st_size // 2)
     path = write(tmp_path / "p.toml", pipeline_text(work, steps=6))
