@@ -72,10 +72,21 @@ class ShardUnit:
     a unit of its own over ``mesh`` (a unit inside a block: its output is not cast);
     ``placement(param) -> Shard`` picks each parameter's sharded dim; ``gradient_divide_factor``
     replaces the mesh size as the divisor of the reduced gradients. Returns the module.
+    ``unit.unshard(module)`` gathers a unit's parameters for a reader outside its forward.
     """
 
     shard: Callable[..., Any] = attrs.field(eq=False)
     cpu_offload: bool = False
+
+    def unshard(self, unit: nn.Module) -> None:
+        """Gather the parameters ``unit`` holds as a unit of its own (nothing where it is none,
+        or they are whole), for a reader outside the unit's forward (a loss reading the LM
+        head's weight after the root resharded it). They stay whole until the unit's backward
+        reshards them: the gather its backward would have made, made earlier."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
 
 
 @attrs.define(eq=False)
@@ -189,3 +200,14 @@ def collective(op: str, group: str, count: int, nbytes: int, what: str) -> list[
     """One row of a ``collectives`` hook (none when ``count`` is 0)."""
     return [{"op": op, "group": group, "count": count, "bytes": int(nbytes), "what": what}] \
         if count else []
+
+
+@runtime_checkable
+class TokenLoss(Protocol):
+    """What a step minimises (a ``loss`` hook's value): ``loss(output, labels)`` -> the sum of
+    the token losses of this rank's micro-batch as an fp32 scalar that ``backward()`` reaches
+    the parameters from. ``output`` is what the model (or the last pipeline stage) returns,
+    ``labels`` are already shifted, ``-100`` counts for nothing. The runtime scales the sum into
+    the token-weighted mean of the global batch."""
+
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor: ...

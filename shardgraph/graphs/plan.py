@@ -126,6 +126,12 @@ class Plan:
                 "mesh-mismatch", (), "the MeshContext was built for another layout",
                 hint="use plan.build_mesh() of this plan",
             ))
+        losses = [s.plugin for s in self.steps if self.registry.get(s.plugin).loss is not None]
+        if len(losses) > 1:
+            bad.append(Violation(
+                "one-loss", tuple(f"plugins.{n}" for n in losses),
+                f"{losses} each compute the step's loss (a 'loss' hook); a step has one loss",
+                hint=f"keep one of {', '.join(losses)}"))
         for step in self.steps:
             plugin = self.registry.get(step.plugin)
             if plugin.model_check is not None:

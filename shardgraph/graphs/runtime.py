@@ -9,7 +9,9 @@ holds), the parts a step runs (one, or a pipeline's stages) and the values the s
 2. each micro-batch is reshaped by the plugins that declare ``prepare_batch`` (cp keeps its part
    of every sequence), run forward and backward inside the plugins' ``loss_context`` (tp's
    ``loss_parallel``), or handed whole to a ``StepRunner`` value (pp's schedule); gradient
-   reduction happens on the last micro-batch only (``grad_sync``);
+   reduction happens on the last micro-batch only (``grad_sync``); the token losses are the
+   ``loss`` hook's (a loss computed from the LM head's input, chunk by chunk), else the
+   cross-entropy of the logits;
 3. the loss of a micro-batch is its token losses' sum times ``B / count``, B being the ranks
    that hold distinct tokens (dp x cp), over which the strategy averages gradients: the
    gradients are those of the token-weighted mean over the global batch, whatever the layout,
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from ..core.axes import Axis
-from ..core.values import StepRunner
+from ..core.values import StepRunner, TokenLoss
 
 if TYPE_CHECKING:
     from ..core.context import MeshContext
@@ -44,6 +46,12 @@ if TYPE_CHECKING:
 
 IGNORE = -100
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The plain token losses: cross-entropy of the logits in fp32, summed, ``-100`` ignored."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                           ignore_index=IGNORE, reduction="sum")
 
 
 @attrs.frozen
@@ -68,6 +76,7 @@ class ParallelModel:
                  values: dict[str, Any]):
         self.plan, self.ctx, self.module, self.values = plan, ctx, module, dict(values)
         self._hook_cache: dict[str, list] = {}
+        self._token_loss: TokenLoss | None = None
         runners = [v for v in values.values() if isinstance(v, StepRunner)]
         self.runner: StepRunner | None = runners[0] if runners else None
 
@@ -109,6 +118,16 @@ class ParallelModel:
         for step, plugin, _ in self._hooks("loss_context"):
             stack.enter_context(plugin.loss_context(step.options))
         return stack
+
+    def token_loss(self) -> TokenLoss:
+        """The token losses a step sums: the ``loss`` hook's value (asked once; the plan
+        allows one such step), else ``cross_entropy_sum`` of the logits."""
+        if self._token_loss is None:
+            hooks = self._hooks("loss")
+            self._token_loss = cross_entropy_sum
+            for step, plugin, inputs in hooks[:1]:
+                self._token_loss = plugin.loss(self.module, step.options, self.ctx, inputs)
+        return self._token_loss
 
     def _hooks(self, name: str) -> list[tuple[Any, Any, dict[str, Any]]]:
         """``(step, plugin, inputs)`` of every step declaring hook ``name``, worked out once
@@ -203,10 +222,10 @@ class ParallelModel:
         total = int(count)
         ranks = lay.dp * lay.cp  # distinct tokens; the strategy averages gradients over them
         scale = ranks / max(total, 1)
+        token_loss = self.token_loss()
 
-        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(),
-                                   ignore_index=IGNORE, reduction="sum") * scale
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return token_loss(output, target) * scale
 
         size = micro_batch_size or input_ids.shape[0]
         chunks = list(zip(input_ids.split(size), labels.split(size)))

@@ -51,6 +51,11 @@ Export = Callable[[Any, "MeshLayout", dict[str, Any]], dict[str, Any]]
 #: ``loss_context(options) -> context manager``: entered around every forward and backward
 #: (tp's ``loss_parallel`` when the logits stay sharded over the vocabulary).
 LossContext = Callable[[Any], Any]
+#: ``loss(model, options, ctx, inputs) -> TokenLoss``: what a step minimises, computed from what
+#: the model returns (``core.values.TokenLoss``); asked once per parallelised model. A plugin
+#: whose ``apply`` makes the model return the LM head's input (a chunked or fused loss) declares
+#: it; at most one step of a plan may.
+Loss = Callable[["nn.Module", Any, "MeshContext", dict[str, Any]], Any]
 
 #: ``collectives(model, options, ctx, inputs, batch) -> rows``: the collectives this step makes
 #: one rank issue per optimizer step (``core.values.Collective``; ``batch``: ``BatchShape``),
@@ -70,6 +75,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "prepare_batch": ("batch", "options", "ctx", "inputs"),
     "export": ("options", "layout", "inputs"),
     "loss_context": ("options",),
+    "loss": ("model", "options", "ctx", "inputs"),
     "collectives": ("model", "options", "ctx", "inputs", "batch"),
     "cost": ("options", "layout"),
 }
@@ -145,6 +151,7 @@ class Plugin:
     prepare_batch: PrepareBatch | None = attrs.field(default=None, eq=False)
     export: Export | None = attrs.field(default=None, eq=False)
     loss_context: LossContext | None = attrs.field(default=None, eq=False)
+    loss: Loss | None = attrs.field(default=None, eq=False)
     collectives: Collectives | None = attrs.field(default=None, eq=False)
     cost: CostHook | None = attrs.field(default=None, eq=False)
     keeps_fqns: bool = True

@@ -1,4 +1,4 @@
-"""The eleven built-in plugins, and the registries that hold them.
+"""The built-in plugins, and the registries that hold them.
 
 Not imported by ``shardgraph.plugins`` itself: the plugin modules import the protocol from that
 package, and this module imports them, so the registry never imports a plugin back.
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 
-from ..parallelisms import activation_checkpointing, cp, ep, hsdp, mixed_precision, pp, sp, tp
+from ..parallelisms import (activation_checkpointing, chunked_loss, cp, ep, hsdp, mixed_precision,
+                            pp, sp, tp)
 from ..strategies import ddp, fsdp2, megatron_fsdp
 from ._registry import BUILTIN, Registry
 from ._spec import Plugin
 
 MODULES = (fsdp2, megatron_fsdp, ddp, hsdp, tp, sp, pp, cp, ep, activation_checkpointing,
-           mixed_precision)
+           mixed_precision, chunked_loss)
 
 
 def builtins() -> list[Plugin]:

@@ -1,0 +1,136 @@
+"""chunked_loss: the LM head and the cross-entropy computed ``chunk_size`` tokens at a time.
+
+The full logits (tokens x vocabulary, in fp32 for the loss) are the peak of a step on a large
+vocabulary: 4 x 8192 tokens x 128,256 x 4 bytes = 16 GiB, and as much again for their gradient.
+Here they never exist. ``apply`` makes the model's LM head hand its input on (the head keeps its
+parameters, their names and tp's layout; its forward stops multiplying); the ``loss`` hook then
+computes each chunk's logits from the head's weight, keeps only their log-sum-exp, and in
+backward recomputes them chunk by chunk into the gradients (``_kernel``). Tokens whose label
+is ``-100`` are dropped before any logit is computed.
+
+It composes by reading what it is given: a vocabulary-parallel head (tp, with or without
+``loss_parallel``, and sp, which gathers the head's input) is recognised from its weight's
+placements; cp's and the data-parallel ranks' shares of the batch arrive as the model's output
+and their labels; under pp the last stage's output is the head's input. A plugin that computes
+the loss another way (a fused GPU kernel) declares the same ``loss`` hook.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ...core.errors import Violation
+from ...core.lazy import lazy_module
+from ...plugins import Kind, Plugin
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch
+    import torch.nn as nn
+
+    from ...core.context import MeshContext
+
+kernel = lazy_module("shardgraph.parallelisms.chunked_loss._kernel")
+
+#: config fields that change the logits after the head (Gemma's soft cap, Cohere's scale, ...)
+_POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+@attrs.frozen
+class ChunkedLossOptions:
+    #: tokens whose logits are computed at once (on every rank; -100 tokens are not counted)
+    chunk_size: int = 1024
+
+
+def _check(options: ChunkedLossOptions, layout, settings) -> list[Violation]:
+    if options.chunk_size >= 1:
+        return []
+    return [Violation("option", ("chunk_size",),
+                      f"chunk_size must be a positive number of tokens, got {options.chunk_size}",
+                      hint="e.g. chunk_size = 1024 (logits of 1024 tokens at a time)")]
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def _model_check(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext):
+    import torch.nn as nn
+
+    head = _head(model)
+    name = type(model).__name__
+    if not isinstance(head, nn.Linear):
+        return [Violation(
+            "chunked-loss-head", ("plugins.chunked_loss",),
+            f"{name} has no linear LM head (get_output_embeddings() is "
+            f"{type(head).__name__ if head is not None else None})",
+            hint="use a causal LM whose get_output_embeddings() is an nn.Linear, or remove "
+                 "chunked_loss")]
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    changed = [f for f in _POST_HEAD if getattr(text, f, None) not in (None, 1, 1.0)]
+    if changed:
+        return [Violation(
+            "chunked-loss-head", tuple(f"model.config.{f}" for f in changed),
+            f"{name} changes its logits after the LM head ({', '.join(changed)}); "
+            "chunked_loss computes the plain head's",
+            hint="remove chunked_loss for this model")]
+    return []
+
+
+def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def _apply(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
+           inputs: dict[str, Any]):
+    head = _head(model)
+    if head is not None:  # under pp, only the last stage's rank holds the head
+        # An instance attribute: the module, its parameters and the hooks around its forward
+        # (tp's input gather) stay; the model's "logits" are now the head's input.
+        head.forward = _passthrough
+    return model
+
+
+@attrs.frozen
+class _ChunkedLoss:
+    """The ``TokenLoss``: reads the head's weight when called, as the strategy has laid it out
+    for this forward (fsdp2's unsharded parameter, tp's vocabulary shard)."""
+
+    model: Any
+    chunk_size: int
+    sharding: Any  # the strategy's ShardUnit, where it shards parameters
+
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        if self.sharding is not None:  # fsdp2 resharded the root (and the head) after forward
+            self.sharding.unshard(self.model)
+        head = _head(self.model)
+        hidden = getattr(output, "logits", output)
+        return kernel.linear_cross_entropy(hidden, head.weight, head.bias, labels,
+                                           self.chunk_size)
+
+
+def _loss(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
+          inputs: dict[str, Any]) -> _ChunkedLoss:
+    return _ChunkedLoss(model, options.chunk_size, inputs.get("fully_shard"))
+
+
+PLUGIN = Plugin(
+    name="chunked_loss",
+    kind=Kind.POLICY,
+    options=ChunkedLossOptions,
+    provides={"chunked_loss"},
+    reads={"fully_shard"},  # the strategy's settings: gather the head's weight for the loss
+    before={"data_parallel"},
+    check=_check,
+    model_check=_model_check,
+    apply=_apply,
+    loss=_loss,
+    doc="LM head + cross-entropy chunk by chunk (chunk_size tokens): the full logits never "
+        "exist",
+)
