@@ -169,6 +169,16 @@ class StepRunner(Protocol):
         ...
 
 
+@attrs.frozen
+class Float8Training:
+    """What float8 converted (capability ``float8``): its recipe, the FQNs of the linears now
+    computing in float8, and whether their weights all-gather in float8 under the strategy."""
+
+    recipe: str
+    modules: tuple[str, ...]
+    fsdp_float8_all_gather: bool
+
+
 #: capability -> the type of the value that carries it (a plugin may declare more of its own:
 #: ``Plugin.contracts``). Capabilities not named here are flags: present or not, no value.
 CONTRACTS: dict[str, type] = {
@@ -178,6 +188,7 @@ CONTRACTS: dict[str, type] = {
     "sequence_parallel": SequenceSharding,
     "pipeline_parallel": StepRunner,
     "activation_checkpointing": Recomputation,
+    "float8": Float8Training,
 }
 
 
