@@ -120,5 +120,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     b = None
     if bias is not None:
         b, _, _ = _vocab_split(bias)
-    # the head computes in its parameters' dtype (fsdp2's param_dtype), whatever reaches it
-    return _LinearCrossEntropy.apply(flat.to(w.dtype), w, b, targets, chunk, group, start)
+    # the head computes in the lower of the two precisions: its parameters' (fsdp2's
+    # param_dtype) or its input's (bf16 from an autocast forward over fp32 parameters)
+    dtype = min(flat.dtype, w.dtype, key=lambda d: torch.finfo(d).bits)
+    w, b = w.to(dtype), None if b is None else b.to(dtype)
+    return _LinearCrossEntropy.apply(flat.to(dtype), w, b, targets, chunk, group, start)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# MFU at world 1 on one GPU (H200: at most 8 minutes): a ~1B Llama in bf16 with compile, float8,
+# selective activation checkpointing and chunked loss each on and off, megatron_fsdp applied at
+# world 1, and the CUDA attention paths; prints a markdown table (bench/gpu_mfu.py's docstring).
+#
+#     bench/gpu.sh [--rows base,compile,...] [--steps 8] [--peak-tflops 989]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+# the rows share a 450 s budget; the hard stop leaves the table's rows printed so far
+exec timeout --signal=INT 480 python3 bench/gpu_mfu.py --budget 450 "$@"
