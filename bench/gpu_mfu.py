@@ -148,7 +148,7 @@ def _megatron(parallel):
     from shardgraph.core.context import MeshContext
     from shardgraph.core.errors import PlanError
     from shardgraph.core.layout import MeshLayout
-    from shardgraph.plugins import default_registry
+    from shardgraph import default_registry
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
