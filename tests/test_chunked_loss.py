@@ -147,3 +147,39 @@ def test_two_plugins_computing_the_loss_are_refused():
         plan.apply(tiny_llama(), plan.build_mesh("cpu"))
     assert info.value.rule == "one-loss"
     assert set(info.value.keys) == {"plugins.chunked_loss", "plugins.fused_loss"}
+
+
+def test_the_planner_prices_one_chunk_of_logits():
+    """Llama 3 8B's shape at 8 x 8192 tokens per rank: the plain loss's logits are the largest
+    activation; with chunked_loss the estimate holds one chunk's."""
+    from shardgraph.planner import predict
+    from shardgraph.train.config import loads_pipeline
+
+    base = """
+[model]
+architecture = "LlamaForCausalLM"
+[model.config]
+vocab_size = 128256
+hidden_size = 4096
+intermediate_size = 14336
+num_hidden_layers = 32
+num_attention_heads = 32
+num_key_value_heads = 8
+[data]
+seq_len = 8192
+[train]
+global_batch_size = 64
+micro_batch_size = 8
+optimizer = "adamw"
+[plugins.mixed_precision]
+[plugins.fsdp2]
+[plugins.activation_checkpointing]
+"""
+
+    def activations(extra: str) -> float:
+        return predict.estimate(loads_pipeline(base + extra), 8)["memory_bytes_per_rank"][
+            "activations"]
+
+    plain, chunked = activations(""), activations("[plugins.chunked_loss]\nchunk_size = 1024\n")
+    logits = 8 * 8192 * 128256 * (2 * 2 + 8)  # bf16 logits, fp32 log-softmax and gradient
+    assert plain - chunked == pytest.approx(logits * (1 - 1024 / (8 * 8192)), rel=1e-6)

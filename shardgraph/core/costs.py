@@ -93,6 +93,8 @@ class Cost:
     as a published ratio; ``fused_elementwise``: it fuses the norms, activations and residual
     adds into few kernels (a compiler); ``activation_scale``: its effect on activation memory.
     ``memory_bytes``: memory the step adds on every rank.
+    ``loss_chunk_tokens``: the loss holds the logits of at most this many tokens at once, and
+    the model's output is the LM head's input (0: the logits of a whole micro-batch).
     """
 
     states: str | None = attrs.field(
@@ -113,5 +115,6 @@ class Cost:
     fused_elementwise: bool = False
     activation_scale: float = 1.0
     memory_bytes: float = 0.0
+    loss_chunk_tokens: int = 0
     comms: tuple[Comm, ...] = ()
     pipeline: PipelineCost | None = None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ..core.costs import Cost
 from ..core.errors import Violation, choices_hint, did_you_mean
 from ..core.values import Applied, Float8Training
 from ..plugins import Kind, Plugin
@@ -158,6 +159,12 @@ def _apply(model: nn.Module, options: Float8Options, ctx: MeshContext, inputs: d
     return Applied(model, values={"float8": Float8Training(options.recipe, tuple(take), gather)})
 
 
+def _cost(options: Float8Options, layout) -> Cost:
+    # Its speed-up is not priced: no float8 step has been measured with this plugin yet (the
+    # published ratios are torchtitan's, on its own kernels' versions).
+    return Cost()
+
+
 PLUGIN = Plugin(
     name="float8",
     kind=Kind.POLICY,
@@ -168,5 +175,6 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
+    cost=_cost,
     doc="torchao float8 training of the linears (tensorwise / rowwise); CUDA capability >= 8.9",
 )

@@ -212,11 +212,15 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         # the loss's peak, in its backward: the head's logits (compute dtype), cross-entropy's
         # saved fp32 log-softmax, the fp32 gradient of the logits and its cast back
         vocab = shape.vocab / (v.tp if v.loss_parallel else 1)
-        logits = tokens / v.cp * vocab * (2 * dtype + 8)
+        at_once = tokens / v.cp
+        if v.loss_chunk_tokens:  # a chunked loss: one chunk's logits; the output is hidden
+            at_once = min(at_once, v.loss_chunk_tokens)
+        logits = at_once * vocab * (2 * dtype + 8)
         if v.pp > 1:
             # torch's last stage keeps every micro-batch's output (``output_chunks``, merged
             # and returned when the step ends): the logits of the others stay too
-            logits += (n_micro - 1) * tokens / v.cp * vocab * dtype
+            out = shape.hidden if v.loss_chunk_tokens else vocab
+            logits += (n_micro - 1) * tokens / v.cp * out * dtype
     embed = tokens / v.cp * shape.hidden * dtype if "first" in held else 0.0
     return body + peak_extra + logits + embed
 

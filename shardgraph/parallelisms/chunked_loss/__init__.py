@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ...core.costs import Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
 from ...plugins import Kind, Plugin
@@ -120,6 +121,10 @@ def _loss(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
     return _ChunkedLoss(model, options.chunk_size, inputs.get("fully_shard"))
 
 
+def _cost(options: ChunkedLossOptions, layout) -> Cost:
+    return Cost(loss_chunk_tokens=options.chunk_size)
+
+
 PLUGIN = Plugin(
     name="chunked_loss",
     kind=Kind.POLICY,
@@ -131,6 +136,7 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     loss=_loss,
+    cost=_cost,
     doc="LM head + cross-entropy chunk by chunk (chunk_size tokens): the full logits never "
         "exist",
 )
