@@ -1,4 +1,5 @@
-"""How fast the command line starts: wall time of ``shardgraph plan``, ``explain`` and ``plugins``.
+"""How fast the command line starts: wall time of ``shardgraph plan``, ``explain``, ``plugins``
+and ``estimate``.
 
 Each command runs ``--repeat`` times as a fresh process (``python -m shardgraph.cli ...``), next
 to a bare ``python -c pass`` for the interpreter's own start; prints the best and median wall
@@ -32,6 +33,8 @@ COMMANDS = {
     "plan --json": ["-m", "shardgraph.cli", "plan", PIPELINE, "--world-size", "4", "--json"],
     "explain": ["-m", "shardgraph.cli", "explain", PIPELINE, "--world-size", "4"],
     "plugins": ["-m", "shardgraph.cli", "plugins"],
+    "estimate": ["-m", "shardgraph.cli", "estimate", str(ROOT / "examples" /
+                 "llama3_70b_dryrun.toml"), "--world-size", "1024"],
 }
 ARGS = argparse.Namespace(no_bytecode=False)
 PROBE = ("import runpy, sys; sys.argv = ['shardgraph'] + sys.argv[1:]; "

@@ -1,46 +1,74 @@
-"""``shardgraph`` command line: plan, explain, plugins (train and dryrun register themselves).
+"""The ``shardgraph`` command line.
 
-``plan``, ``explain`` and ``plugins`` import neither torch nor transformers; a command that
-lives in another module is imported only when it is named (``COMMAND_MODULES``).
+``COMMANDS`` lists every command: its one line of help and where its arguments and its run
+function live. A command's module is imported only when that command is named, so ``plan``,
+``explain``, ``plugins`` and ``estimate`` start without torch or transformers, while ``train``,
+``dryrun`` and ``export`` bring them in.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-
 from pathlib import Path
+
+import attrs
 
 from .core.errors import PlanError, PlanWarning, Violation
 from .graphs.explain import explain, rank_groups, to_dot, to_svg
 from .graphs.toml import load_toml
+from .planner.cli import add_auto_arguments, run_auto
 from .plugins.builtin import default_registry
 from .plugins._describe import describe
 
-#: Extra subcommands: name -> (help, add_arguments(parser), run(args) -> exit code). A module
-#: adds its commands here when imported; list it in COMMAND_MODULES so that it is imported only
-#: when one of its commands is named.
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
-                          Callable[[argparse.Namespace], int]]] = {}
-#: Modes of ``plan`` added by other modules: flag -> (add_arguments(parser), run(args)); run
-#: replaces the plain plan when ``args.<flag>`` is set (``--auto``: shardgraph.planner)
-PLAN_MODES: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
-                            Callable[[argparse.Namespace], int]]] = {}
-#: command name -> the module that registers it (imported only when that command runs)
-COMMAND_MODULES: dict[str, str] = {
-    "train": "shardgraph.train.cli",
-    "dryrun": "shardgraph.train.cli",
-    "export": "shardgraph.train.cli",
+
+@attrs.frozen
+class Command:
+    """One ``shardgraph`` command: ``arguments(parser)`` adds its options, ``run(args)``
+    returns its exit code; both are names in ``module``, imported when the command is named."""
+
+    help: str
+    module: str
+    arguments: str
+    run: str
+
+    def load(self) -> tuple[Callable[[argparse.ArgumentParser], None],
+                            Callable[[argparse.Namespace], int]]:
+        module = importlib.import_module(self.module)
+        return getattr(module, self.arguments), getattr(module, self.run)
+
+
+#: Every command, in the order ``shardgraph --help`` lists them.
+COMMANDS: dict[str, Command] = {
+    "train": Command("train with a pipeline file; starts the processes itself",
+                     "shardgraph.train.cli", "train_arguments", "run_train"),
+    "plan": Command("check a pipeline file, print its plan; --auto finds the fastest",
+                    "shardgraph.cli", "plan_arguments", "run_plan"),
+    "explain": Command("show a plan's steps, mesh and process groups (--svg: a picture)",
+                       "shardgraph.cli", "explain_arguments", "run_explain"),
+    "estimate": Command("predict memory per GPU and step time, for GPUs you do not have",
+                        "shardgraph.planner.cli", "estimate_arguments", "run_estimate"),
+    "dryrun": Command("build one rank of a large run here: its memory and collectives",
+                      "shardgraph.train.cli", "dryrun_arguments", "run_dryrun"),
+    "export": Command("write a checkpoint as a Hugging Face safetensors directory",
+                      "shardgraph.train.cli", "export_arguments", "run_export"),
+    "plugins": Command("list the parallelisms, their options and their rules",
+                       "shardgraph.cli", "plugins_arguments", "run_plugins"),
 }
-#: modules that extend the commands defined here (``plan --auto``, ``estimate``); imported on
-#: every run, so they must not import torch or transformers at module level
-EXTENSION_MODULES = ("shardgraph.planner.cli",)
-#: commands defined here; they import neither torch nor transformers (a plugin whose
-#: declaration needs torch still brings it in)
-FAST_COMMANDS = ("plan", "explain", "plugins")
+
+DESCRIPTION = """\
+Describe how a PyTorch model is parallelised (fsdp2, ddp, hsdp, tp, sp, pp, cp, ep, activation
+checkpointing, mixed precision) in a pipeline file; check it, see it, size it, and train with it.
+"""
+EPILOG = """\
+`shardgraph train` with no file is a first run. `shardgraph COMMAND --help` shows a command's
+options. A mistake in a pipeline file is reported with every problem at once and exit code 2.
+"""
 
 
 def _compile(args: argparse.Namespace):
@@ -52,10 +80,25 @@ def _compile(args: argparse.Namespace):
     return graph.compile(world_size=args.world_size, gpus_per_node=args.gpus_per_node)
 
 
-def _plan(args: argparse.Namespace) -> int:
-    for flag, (_, run) in PLAN_MODES.items():
-        if getattr(args, flag, False):
-            return run(args)
+def file_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pipeline file and the cluster it is laid out for (plan, explain, estimate)."""
+    parser.add_argument("file", help="pipeline TOML file")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="number of ranks (GPUs, or CPU processes); overrides [mesh] "
+                        "world_size")
+    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                        help="GPUs per node (default: [mesh] gpus_per_node, else 8)")
+
+
+def plan_arguments(parser: argparse.ArgumentParser) -> None:
+    file_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    add_auto_arguments(parser)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.auto:
+        return run_auto(args)
     plan = _compile(args)
     if args.json:
         data = plan.to_dict()
@@ -66,7 +109,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _explain(args: argparse.Namespace) -> int:
+def explain_arguments(parser: argparse.ArgumentParser) -> None:
+    file_arguments(parser)
+    parser.add_argument("--svg", metavar="FILE", help="also draw the rank grid as SVG: one "
+                        "panel per mesh axis, each group in its colour, each node boxed")
+    parser.add_argument("--dot", metavar="FILE", help="the same picture as a Graphviz file")
+
+
+def run_explain(args: argparse.Namespace) -> int:
     plan = _compile(args)
     print(explain(plan))
     for path, draw in ((args.svg, to_svg), (args.dot, to_dot)):
@@ -80,7 +130,11 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plugins(args: argparse.Namespace) -> int:
+def plugins_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_plugins(args: argparse.Namespace) -> int:
     registry = default_registry()
     registry.load_entry_points()
     rows = describe(registry)
@@ -108,44 +162,34 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _file_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="pipeline TOML file")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="number of ranks (default: [mesh] world_size)")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help="GPUs per node (default: [mesh] gpus_per_node, else 8)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardgraph", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="compile a pipeline and print its plan")
-    _file_args(p)
-    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    for add_arguments, _ in PLAN_MODES.values():
-        add_arguments(p)
-    p.set_defaults(run=_plan)
-    p = sub.add_parser("explain", help="the steps, the mesh and each rank's process groups")
-    _file_args(p)
-    p.add_argument("--svg", metavar="FILE", help="also draw the rank grid as SVG: one panel "
-                   "per mesh axis, each group in its colour, each node boxed")
-    p.add_argument("--dot", metavar="FILE", help="the same picture as a Graphviz file")
-    p.set_defaults(run=_explain)
-    p = sub.add_parser("plugins", help="every registered plugin, its declarations, options and "
-                       "where it came from")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(run=_plugins)
-    for name, (help_text, add_arguments, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        add_arguments(p)
-        p.set_defaults(run=run)
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command with its help line; the options of ``command`` only (importing its
+    module), so that ``shardgraph --help`` and ``plan`` import no heavy module."""
+    listing = "".join(f"  {name:<10}{entry.help}\n" for name, entry in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="shardgraph", usage="shardgraph COMMAND ...", epilog=EPILOG,
+        description=f"{DESCRIPTION}\ncommands:\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    # the listing above is the help: argparse would wrap each line and add a COMMAND heading
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help=argparse.SUPPRESS)
+    for name, entry in COMMANDS.items():
+        p = sub.add_parser(name, prog=f"shardgraph {name}", description=entry.help[0].upper() + entry.help[1:] + ".")
+        if name == command:
+            arguments, run = entry.load()
+            arguments(p)
+            p.set_defaults(run=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _register_optional_commands(argv)
-    args = build_parser().parse_args(argv)
+    named = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(named)
+    if not argv:  # what to type next, rather than "the following arguments are required"
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -162,38 +206,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.simplefilter("always", PlanWarning)
         warnings.showwarning = show
         try:
-            return args.run(args)
+            code = args.run(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+            return code
         except PlanError as exc:
             print(f"shardgraph {args.command}: {exc}", file=sys.stderr)
             return 2
-
-
-def _register_optional_commands(argv: Sequence[str]) -> None:
-    """Import the modules whose commands add themselves to COMMANDS: the light extensions
-    always, and of the others only the one that owns the command named in ``argv`` (``train``
-    imports torch; ``plan`` must not), or all when no known command is named (``--help``, a
-    typo: argparse then lists every command)."""
-    import importlib
-
-    def load(modules) -> None:
-        for module in modules:
-            try:
-                importlib.import_module(module)
-            except ModuleNotFoundError as exc:
-                if exc.name is None or not module.startswith(exc.name):
-                    raise
-
-    load(EXTENSION_MODULES)
-    named = next((a for a in argv if not a.startswith("-")), None)
-    if named in COMMAND_MODULES:
-        load([COMMAND_MODULES[named]])
-    elif named not in FAST_COMMANDS and named not in COMMANDS:
-        load(dict.fromkeys(COMMAND_MODULES.values()))
+        except BrokenPipeError:
+            # The reader went away (`shardgraph plan ... | head`): end quietly, as `git log`
+            # does. Python would try to flush stdout again at exit and print a traceback.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141  # 128 + SIGPIPE, what a shell reports for a command ended by it
 
 
 if __name__ == "__main__":
-    # Run the importable module's main: under ``python -m`` this file is ``__main__``, and the
-    # commands other modules register go to ``shardgraph.cli.COMMANDS``, not to this copy's.
+    # Run the importable module's main: under ``python -m`` this file is ``__main__``, and
+    # COMMANDS names the commands defined here by their module, ``shardgraph.cli``.
     from shardgraph.cli import main as _main
 
     sys.exit(_main())

@@ -125,8 +125,8 @@ def test_nemo_pp_size_one_warns_on_stderr_and_exits_0(tmp_path):
 
 
 def test_commands_of_other_modules_run_under_python_m():
-    # ``python -m shardgraph.cli`` runs cli.py as __main__; train registers into
-    # shardgraph.cli.COMMANDS, which must be the registry main reads.
+    # ``python -m shardgraph.cli`` runs cli.py as __main__; the table names the commands
+    # defined there by their module, shardgraph.cli, which must be the one main reads.
     done = subprocess.run([sys.executable, "-m", "shardgraph.cli", "train", "--help"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

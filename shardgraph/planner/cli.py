@@ -1,9 +1,8 @@
-"""``shardgraph estimate`` and ``shardgraph plan --auto``: registered into the main CLI.
+"""``shardgraph estimate`` and ``shardgraph plan --auto`` (see ``shardgraph.cli.COMMANDS``).
 
 The command glue only (arguments, reading the pipeline file, printing); the text is
-``render``'s. It imports the command table and the pipeline loader, so it is the one planner
-module above the library (``tests/test_architecture.py`` names it until the command table lists
-these commands itself).
+``render``'s. It imports the pipeline loader, so it is the one planner module above the library
+(``tests/test_architecture.py`` names it).
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..cli import COMMANDS, PLAN_MODES
 from ..core.errors import PlanError, Violation
 from ..train.config import load_pipeline
 from .render import render_candidates, render_estimate
@@ -31,14 +29,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _estimate_args(p: argparse.ArgumentParser) -> None:
+def estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="pipeline TOML file (plan sections, [model], [data], [train])")
-    p.add_argument("--world-size", type=int, default=None)
-    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="number of GPUs; overrides [mesh] world_size")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                   help="GPUs per node (default: [cluster] or [mesh] gpus_per_node, else 8)")
     _add_common(p)
 
 
-def _estimate(args: argparse.Namespace) -> int:
+def run_estimate(args: argparse.Namespace) -> int:
     from .predict import estimate
 
     pipeline = load_pipeline(args.file)
@@ -68,8 +68,3 @@ def run_auto(args: argparse.Namespace) -> int:
                       gpu=args.gpu, top=args.top)
     print(json.dumps(result) if args.json else render_candidates(result))
     return 0
-
-
-COMMANDS["estimate"] = ("predicted memory per rank and step time of a pipeline's plan",
-                        _estimate_args, _estimate)
-PLAN_MODES["auto"] = (add_auto_arguments, run_auto)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from ..core.errors import PlanError, Violation
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
@@ -193,11 +195,8 @@ def estimate(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     pipeline = loaded(pipeline)
     gpn, chip = context(pipeline, world_size, gpus_per_node, gpu)
     graph = pipeline.graph
-    if graph.world_size is not None and graph.world_size != world_size:
-        raise PlanError([Violation("world-size", (world_key, "mesh.world_size"),
-                                   f"the pipeline is laid out for mesh.world_size = "
-                                   f"{graph.world_size}, not {world_size}",
-                                   hint=f"use {graph.world_size} or remove mesh.world_size")])
+    if graph.world_size != world_size:  # ``world_size`` wins over [mesh], as in Graph.compile
+        graph = attrs.evolve(graph, keys={**graph.keys, "world_size": world_key})
     plan = graph.compile(world_size=world_size, gpus_per_node=gpn, registry=registry)
     v = plan_view(plan)
     shape = model_shape(pipeline.model)

@@ -1,5 +1,5 @@
-"""``shardgraph train``, ``shardgraph dryrun`` and ``shardgraph export``: registered into the
-main CLI's ``COMMANDS`` when this module is imported."""
+"""``shardgraph train``, ``shardgraph dryrun`` and ``shardgraph export`` (listed in
+``shardgraph.cli.COMMANDS``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import attrs
 
-from ..cli import COMMANDS
 from ..core.errors import PlanError, Violation
 from .config import Pipeline, load_pipeline, loads_pipeline, read_pipeline
 from .defaults import DEFAULT_NPROC, DEFAULT_PIPELINE
@@ -71,7 +70,7 @@ def _nproc(args: argparse.Namespace, pipeline) -> int:
     return DEFAULT_NPROC if args.file is None else 1
 
 
-def _train_args(p: argparse.ArgumentParser) -> None:
+def train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", default=None,
                    help="pipeline TOML file (default: a bundled tiny Llama on 4 processes)")
     p.add_argument("--nproc", type=int, default=None,
@@ -97,7 +96,7 @@ def _raise_stopped(signum: int, _frame) -> None:
     raise _Stopped(signum)
 
 
-def _train(args: argparse.Namespace) -> int:
+def run_train(args: argparse.Namespace) -> int:
     if _under_torchrun():
         return _worker(args)
     # The launcher: a signal stops every worker and ends in one line and 128 + its number.
@@ -360,33 +359,40 @@ def _report_failure(failures: dict) -> int:
     return 1
 
 
-def _dryrun_args(p: argparse.ArgumentParser) -> None:
+def dryrun_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="pipeline TOML file")
-    p.add_argument("--world-size", type=int, required=True, help="simulated number of ranks")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="simulated number of ranks; overrides [mesh] world_size")
     p.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _dryrun(args: argparse.Namespace) -> int:
+def run_dryrun(args: argparse.Namespace) -> int:
     import json
 
     from .dryrun import dryrun, render
 
-    report = dryrun(load_pipeline(args.file), world_size=args.world_size, rank=args.rank)
+    pipeline = load_pipeline(args.file)
+    world = args.world_size if args.world_size is not None else pipeline.graph.world_size
+    if world is None:
+        raise PlanError([Violation("size", ("--world-size",), "no world size given",
+                                   hint="pass --world-size N (or set [mesh] world_size)")])
+    report = dryrun(pipeline, world_size=world, rank=args.rank)
     print(json.dumps(report) if args.json else render(report))
     return 0
 
 
-def _export_args(p: argparse.ArgumentParser) -> None:
+def export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="the pipeline file the checkpoint was trained with")
     p.add_argument("checkpoint", help="a step_* checkpoint directory")
     p.add_argument("out", help="new directory for the safetensors shards, index and config.json")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="processes to shard the export over (the pipeline's plan at that world "
-                   "size: each loads and writes only its share; default 1)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to shard the export over, each loading and writing only its "
+                   "share under the pipeline's plan (default: [mesh] world_size, else the GPUs, "
+                   "else 1)")
 
 
-def _export(args: argparse.Namespace) -> int:
+def run_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
 
     pipeline = load_pipeline(args.file)
@@ -404,29 +410,23 @@ def _export(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"exported {out}")
         return 0
-    if args.nproc < 1:
-        raise PlanError([Violation("value", ("--nproc",), f"--nproc must be >= 1, got "
-                                   f"{args.nproc}", hint="e.g. --nproc 2")])
-    if args.nproc == 1:
+    nproc = _nproc(args, pipeline)
+    graph = pipeline.graph
+    if args.nproc is not None:  # the plan's problems name the option the user gave
+        graph = attrs.evolve(graph, keys={**graph.keys, "world_size": "--nproc"})
+    graph.compile(world_size=nproc)  # before anything is loaded or launched
+    if nproc == 1:
         out = export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out))
         print(f"exported {out}")
         return 0
-    pipeline.graph.compile(world_size=args.nproc)  # the plan's problems before launching
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        run(parse_args(["--standalone", f"--nproc-per-node={args.nproc}", "-m",
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m",
                         "shardgraph.train", "export", str(Path(args.file).resolve()),
                         str(Path(args.checkpoint).resolve()), str(Path(args.out).resolve())]))
     except ChildFailedError as exc:
         return _report_failure(exc.failures)
     return 0
-
-
-COMMANDS["train"] = ("train a pipeline (launches torchrun itself)", _train_args, _train)
-COMMANDS["dryrun"] = ("per-rank memory and collectives at a simulated world size",
-                      _dryrun_args, _dryrun)
-COMMANDS["export"] = ("a checkpoint as an HF safetensors directory, written sharded",
-                      _export_args, _export)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -35,6 +36,8 @@ def dryrun(pipeline: Pipeline, world_size: int, rank: int = 0) -> dict[str, Any]
     if not 0 <= rank < world_size:
         raise PlanError([Violation("value", ("--rank",), f"rank {rank} is not in a world of "
                                    f"{world_size}", hint=f"use 0 .. {world_size - 1}")])
+    if pipeline.graph.world_size not in (None, world_size):  # the simulated world wins
+        pipeline = attrs.evolve(pipeline, graph=attrs.evolve(pipeline.graph, world_size=None))
     plan = compile_for(pipeline, world_size, "--world-size")
     with fake_world(world_size, rank):
         ctx = plan.build_mesh("cpu")

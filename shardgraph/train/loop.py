@@ -41,8 +41,9 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
         bad.append(Violation(
             "world-size", (nproc_key, "mesh.world_size"),
             f"the pipeline is laid out for mesh.world_size = {graph.world_size}, "
-            f"not {world_size} processes", hint=f"run with --nproc {graph.world_size}, or "
-            "change/remove mesh.world_size"))
+            f"not {world_size} processes", hint=(
+                f"run with {nproc_key} {graph.world_size}" if nproc_key.startswith("--") else
+                f"launch {graph.world_size} processes") + ", or change/remove mesh.world_size"))
         raise PlanError(bad)
     if nproc_key != "world_size":  # errors name the option the user gave
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": nproc_key})

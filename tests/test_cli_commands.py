@@ -1,0 +1,159 @@
+"""The command table: ``shardgraph --help`` in users' words, each command imported only when
+named, one meaning of ``--world-size`` everywhere, ``export``'s process count, and a closed pipe."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardgraph.cli import COMMANDS, build_parser, main
+
+ROOT = Path(__file__).parents[1]
+LLAMA_70B = str(ROOT / "examples" / "llama3_70b_dryrun.toml")
+TINY = """
+[plugins.fsdp2]
+[plugins.tp]
+size = 2
+[mesh]
+world_size = 4
+[model]
+architecture = "LlamaForCausalLM"
+[model.config]
+vocab_size = 64
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+[data]
+seq_len = 8
+[train]
+global_batch_size = 8
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY)
+    return str(path)
+
+
+def test_help_lists_every_command_on_one_line_in_users_words(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for name, command in COMMANDS.items():
+        assert f"  {name:<10}{command.help}" in lines, name
+        assert len(f"  {name:<10}{command.help}") <= 79, name
+    for internal in ("COMMANDS", "register", "module", "import"):
+        assert internal not in out, internal
+
+
+def test_help_and_the_light_commands_import_neither_torch_nor_transformers(tmp_path):
+    probe = ("import sys; from shardgraph.cli import main\n"
+             "try: main(sys.argv[1:])\nexcept SystemExit: pass\n"
+             "print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules),"
+             " file=sys.stderr)")
+    for args in (["--help"], ["estimate", "--help"],
+                 ["estimate", LLAMA_70B, "--world-size", "64", "--json"]):
+        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and "HEAVY []" in done.stderr, (args, done.stderr)
+
+
+def test_each_command_is_found_in_its_module_and_nothing_registers_itself():
+    for name, command in COMMANDS.items():
+        arguments, run = command.load()
+        assert callable(arguments) and callable(run), name
+        assert build_parser(name).parse_args([name, "f", "g", "h"] if name == "export" else
+                                             [name, "f"] if name != "plugins" else [name]).run \
+            is run
+    # No module reaches into the CLI's table: the only name taken from shardgraph.cli is the
+    # entry point ``main`` (``python -m shardgraph.train``).
+    for path in (ROOT / "shardgraph").rglob("*.py"):
+        package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else ()
+                module = ".".join((*base, *(node.module or "").split(".")))
+                if module == "shardgraph.cli":
+                    assert [a.name for a in node.names] == ["main"], path
+
+
+@pytest.mark.parametrize("flag", ["--world-size", "--gpus-per-node"])
+@pytest.mark.parametrize("command", ["plan", "explain", "estimate", "dryrun"])
+def test_world_size_flags_are_documented(command, flag, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    if command == "dryrun" and flag == "--gpus-per-node":
+        return  # a dry run simulates one rank: nodes do not enter it
+    assert flag in out and "[mesh]" in out
+
+
+def test_estimate_and_dryrun_take_a_world_size_other_than_the_file_s(tiny, capsys):
+    # The file says [mesh] world_size = 4; --world-size wins, as it does for plan and explain.
+    assert main(["plan", tiny, "--world-size", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 8
+    assert main(["estimate", tiny, "--world-size", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sizes"]["dp_shard"] == 4
+    assert main(["dryrun", tiny, "--world-size", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world_size"] == 8 and report["sizes"]["dp_shard"] == 4
+    assert main(["dryrun", tiny, "--json"]) == 0  # and without it, the file's
+    assert json.loads(capsys.readouterr().out)["world_size"] == 4
+    # the 70B example on 64 GPUs: no edited copy of the file needed
+    assert main(["estimate", LLAMA_70B, "--world-size", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] in (True, False)
+
+
+@pytest.mark.parametrize("command", ["estimate", "dryrun"])
+def test_a_world_size_that_does_not_divide_names_the_flag(command, tiny, capsys):
+    assert main([command, tiny, "--world-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "[world-size] --world-size" in err and "mesh.world_size" not in err
+    assert "--nproc" not in err  # a flag these commands do not have
+
+
+def test_export_names_nproc_and_defaults_to_the_file_s_world_size(tiny, tmp_path, capsys):
+    assert main(["export", tiny, str(tmp_path / "step_1"), str(tmp_path / "out"),
+                 "--nproc", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "[world-size] --nproc" in err and "mesh.world_size" not in err, err
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    assert "default: [mesh] world_size" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    # `shardgraph explain ... | head -1`: the reader is gone before the output is written
+    proc = subprocess.Popen([sys.executable, "-m", "shardgraph.cli", "explain",
+                             str(ROOT / "examples" / "default.toml"), "--world-size", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_plan_lists_each_step_once_and_says_what_a_step_uses(capsys):
+    assert main(["plan", str(ROOT / "examples" / "default.toml"), "--world-size", "4"]) == 0
+    steps = [line.split(". ", 1)[1] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("  ") and line.strip()[:1].isdigit()]
+    assert steps == ["tp  (uses sequence_parallel from sp)", "sp", "activation_checkpointing",
+                     "fsdp2"]
+
+
+def test_plugins_shows_every_option_doc_whole(capsys):
+    assert main(["plugins", "--json"]) == 0
+    docs = {(p["name"], o["name"]): o["doc"]
+            for p in json.loads(capsys.readouterr().out)["plugins"] for o in p["options"]}
+    assert not [k for k, doc in docs.items() if doc.endswith((",", ":", ";"))]
+    assert docs["pp", "schedule"].endswith("or a torch schedule class name")
