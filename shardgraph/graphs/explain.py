@@ -52,7 +52,9 @@ def explain(plan: Plan) -> str:
     lay = plan.layout
     lines = [f"world size {lay.world_size} ({lay.gpus_per_node} GPUs per node)", "", "steps:"]
     for i, step in enumerate(plan.steps, 1):
-        extra = "".join(f" + {name} ({cap})" for cap, name, _ in step.inputs)
+        # what a step reads from another plugin, said so that it does not read as a second step
+        extra = "; ".join(f"{cap} from {name}" for cap, name, _ in step.inputs)
+        extra = f"  (uses {extra})" if extra else ""
         lines.append(f"  {i}. {step.plugin}{extra}")
     if not plan.steps:
         lines.append("  (none: nothing to parallelise at this world size)")

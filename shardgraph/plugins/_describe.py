@@ -79,7 +79,9 @@ def _one_line(doc: str) -> str:
     """The first sentence of ``doc``, on one line."""
     text = " ".join(doc.split())
     match = re.search(r"(?<=\.)\s", text)
-    return text[: match.start()].rstrip(".") if match else text.rstrip(".")
+    first = text[: match.start()] if match else text
+    # drop the full stop, not an ellipsis: "a, b, ..." says the list goes on
+    return first[:-1] if first.endswith(".") and not first.endswith("..") else first
 
 
 def _field_comments(cls: type) -> dict[str, str]:

@@ -88,7 +88,8 @@ def canonical(name: str) -> str:
 @attrs.frozen
 class PPOptions:
     size: int = 1
-    #: pipeline schedule: 1f1b, gpipe, interleaved_1f1b, looped_bfs, zero_bubble, v_schedule, ...
+    #: pipeline schedule: 1f1b, gpipe, interleaved_1f1b, looped_bfs, zero_bubble, v_schedule,
+    #: dfs, or a torch schedule class name
     schedule: str = attrs.field(default="1f1b", converter=canonical)
     #: samples per microbatch; the local batch is split into local_batch / microbatch_size
     microbatch_size: int = 1
