@@ -47,6 +47,10 @@ def test_the_issue_example_is_accepted():
     ("[checkpoint]\nevery = 5", "checkpoint.every", "value"),
     ("[checkpoint]\nresume = \"/no/such/ckpt\"", "checkpoint.resume", "value"),
     ("model = 3", "model", "type"),
+    ("[train]\nbetas = [0.9, 0.95]", "train.betas", "value"),  # optimizer = "sgd"
+    ("[train]\noptimizer = \"adamw\"\nbetas = [0.9, 1.0]", "train.betas", "value"),
+    ("[train]\noptimizer = \"adamw\"\nbetas = [0.9]", "train.betas", "value"),
+    ("[train]\noptimizer = \"adamw\"\neps = 0", "train.eps", "value"),
 ])
 def test_bad_training_keys_are_named(text, key, rule):
     with pytest.raises(PlanError) as err:
@@ -135,3 +139,23 @@ def test_model_from_a_local_hf_directory(tmp_path):
     assert type(loaded).__name__ == "Qwen2ForCausalLM"
     want = saved.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+
+
+def test_adamw_takes_betas_and_eps_and_a_checkpoint_records_them():
+    import torch
+
+    from shardgraph.train import checkpoint as ckpt
+    from shardgraph.train.loop import make_optimizer
+
+    tuned = loads_pipeline(GOOD.replace('"sgd"', '"adamw"\nbetas = [0.9, 0.95]\neps = 1e-6'))
+    plain = loads_pipeline(GOOD.replace('"sgd"', '"adamw"'))
+    model = torch.nn.Linear(2, 2)
+    assert make_optimizer(model, tuned).defaults["betas"] == (0.9, 0.95)
+    assert make_optimizer(model, tuned).defaults["eps"] == 1e-6
+    assert make_optimizer(model, plain).defaults["betas"] == (0.9, 0.999)  # torch's
+    # the moments mean something under their betas only: a resume under others is refused
+    saved = {"settings": ckpt.settings(plain)}
+    with pytest.raises(PlanError, match="train.betas = \\[0.9, 0.999\\] in the checkpoint"):
+        ckpt.check_compatible(saved, ckpt.settings(tuned), "step_1")
+    ckpt.check_compatible(saved, ckpt.settings(loads_pipeline(GOOD.replace(
+        '"sgd"', '"adamw"\nbetas = [0.9, 0.999]'))), "step_1")  # torch's, said out loud

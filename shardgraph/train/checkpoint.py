@@ -175,6 +175,9 @@ def settings(pipeline) -> dict[str, Any]:
         values["data.tokenizer"] = str(Path(data.tokenizer).resolve())
     if t.optimizer == "sgd":  # momentum 0 keeps no buffer: the optimizer state differs
         values["train.momentum"] = t.momentum
+    else:  # the moments mean something under these only (unset: torch's defaults)
+        values["train.betas"] = list(t.betas or (0.9, 0.999))
+        values["train.eps"] = t.eps or 1e-8
     values.update({key: getattr(t, key.split(".")[1]) for key in ADJUSTABLE})
     return json.loads(json.dumps(values, default=str))
 

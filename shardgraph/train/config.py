@@ -53,6 +53,10 @@ class TrainConfig:
     lr: float = 0.01
     weight_decay: float = 0.0
     momentum: float = 0.0
+    #: adamw's (beta1, beta2), e.g. [0.9, 0.95]; default torch's [0.9, 0.999]
+    betas: list[float] | None = None
+    #: adamw's epsilon; default torch's 1e-8
+    eps: float | None = None
     seed: int = 0
     #: clip the global gradient norm to this value (0: no clipping)
     grad_clip: float = 0.0
@@ -132,6 +136,14 @@ def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
     need(train.optimizer in OPTIMIZERS, "train.optimizer",
          f"unknown optimizer {train.optimizer!r}{did_you_mean(train.optimizer, OPTIMIZERS)}",
          f"valid: {', '.join(OPTIMIZERS)}")
+    for key, value in (("train.betas", train.betas), ("train.eps", train.eps)):
+        need(value is None or train.optimizer != "sgd", key, f"{key} is an adamw setting but "
+             f"train.optimizer = \"sgd\"", f"remove {key}, or set optimizer = \"adamw\"")
+    need(train.betas is None or len(train.betas) == 2 and all(0 <= b < 1 for b in train.betas),
+         "train.betas", f"train.betas must be two numbers in [0, 1), got {train.betas}",
+         "e.g. betas = [0.9, 0.95]")
+    need(train.eps is None or train.eps > 0, "train.eps", f"train.eps must be > 0, got "
+         f"{train.eps}", "e.g. eps = 1e-8")
     need(model.dtype in DTYPES, "model.dtype",
          f"unknown dtype {model.dtype!r}{did_you_mean(model.dtype, DTYPES)}",
          f"valid: {', '.join(DTYPES)}")

@@ -93,7 +93,9 @@ def make_optimizer(model: Any, pipeline: Pipeline) -> torch.optim.Optimizer:
     t = pipeline.train
     params = [p for p in model.parameters() if p.requires_grad]
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, foreach=False)
+        extra = {k: v for k, v in (("betas", tuple(t.betas or ())), ("eps", t.eps)) if v}
+        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, foreach=False,
+                                 **extra)
     return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
 
