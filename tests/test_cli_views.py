@@ -12,6 +12,7 @@ import attrs
 import pytest
 
 from shardgraph.cli import main
+from shardgraph.graphs.explain import PALETTE, to_svg
 from shardgraph.plugins._describe import describe_options
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -59,12 +60,38 @@ def test_explain_draws_every_rank_in_every_panel(pipeline, tmp_path, capsys):
         colour = {int(g.get("data-rank")): g.find(f"{SVG}rect").get("fill") for g in ranks}
         for group in groups[axis]:
             assert len({colour[r] for r in group}) == 1
-        assert len({colour[g[0]] for g in groups[axis]}) == len(groups[axis])
+        assert len({colour[g[0]] for g in groups[axis]}) == min(len(groups[axis]),
+                                                                len(PALETTE))
+        # and their labels say so without colour (a print, colour-blind eyes)
+        label = {int(g.get("data-rank")): g.findall(f"{SVG}text")[1].text for g in ranks}
+        assert sorted({label[r] for r in group} for group in groups[axis]) == sorted(
+            {f"g{i}"} for i in range(len(groups[axis])))
     nodes = [r for r in panels["panel-tp"].iter(f"{SVG}rect") if r.get("fill") == "none"]
     assert len(nodes) == 4  # 16 ranks, 4 per node
     text = dot.read_text()
     assert text.startswith("graph shardgraph {") and text.count('"cluster_tp_node') == 4
-    assert all(f'"dp_shard_cp_{r}" [label="{r}"' in text for r in range(16))
+    assert all(f'"dp_shard_cp_{r}" [label="{r}\\ng' in text for r in range(16))
+
+
+def test_a_large_world_is_drawn_compactly_with_a_legend_and_a_whole_title(tmp_path):
+    from shardgraph import Graph
+
+    plan = Graph().add("pp", size=4).add("tp", size=8).add("fsdp2").compile(world_size=1024)
+    root = ET.fromstring(to_svg(plan))
+    width, height = int(root.get("width")), int(root.get("height"))
+    title = next(t for t in root.iter(f"{SVG}text")).text
+    assert title.startswith("world size 1024") and len(title) * 14 * 0.6 < width
+    assert height < 1200  # 3 panels of 128 nodes each: the first 5, the last 2, and a note
+    for panel in (g for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("panel-")):
+        ranks = {int(g.get("data-rank")) for g in panel.iter(f"{SVG}g")
+                 if g.get("class") == "rank"}
+        assert ranks == set(range(40)) | set(range(1008, 1024)), panel.get("id")
+        (elided,) = [t.text for t in panel.iter(f"{SVG}text") if t.get("class") == "elided"]
+        assert elided == "nodes 5-125 (121) like these"
+        (legend,) = [g for g in panel.iter(f"{SVG}g") if g.get("class") == "legend"]
+        entries = [t.text for t in legend.iter(f"{SVG}text")]
+        assert len(entries) == 9 and entries[-1].startswith("... and ")
+    assert len(PALETTE) == len(set(PALETTE)) >= 8
 
 
 def _plan_json(path, capsys) -> str:

@@ -7,7 +7,6 @@ box, so one sees at a glance which groups stay inside a node (NVLink) and which 
 
 from __future__ import annotations
 
-import colorsys
 import math
 from html import escape  # xml.sax.saxutils would import urllib (0.1 s)
 
@@ -99,78 +98,137 @@ def _rank_table(plan: Plan) -> str:
 
 # -- pictures ------------------------------------------------------------------------------
 
-CELL, GAP, PAD, NODES_PER_ROW = 26, 4, 10, 4
-
-
-def _colour(index: int) -> tuple[float, float, float]:
-    """Well-separated hues (golden-angle steps), light enough for black text."""
-    return ((index * 0.381966) % 1.0, 0.45, 0.97)
+CELL, GAP, PAD, NODES_PER_ROW = 30, 4, 10, 4
+#: Nodes drawn per panel; beyond, the first and last ones and a box saying how many are left out
+#: (the pattern of a mesh repeats from node to node; 1024 ranks stay one screen per panel).
+MAX_NODES = 8
+#: Groups listed in a panel's legend; every cell also names its group (``g3``), so a colour
+#: that repeats past the palette never makes two groups look alike.
+LEGEND = 8
+LEGEND_W = 200
+#: Paul Tol's "light" qualitative scheme: distinct under the common colour-vision deficiencies,
+#: light enough for black text; ordered so that neighbouring groups differ most.
+PALETTE = ("#77aadd", "#ee8866", "#44bb99", "#ffaabb", "#bbcc33", "#99ddff", "#eedd88",
+           "#aaaa00", "#dddddd")
 
 
 def _hex(index: int) -> str:
-    r, g, b = colorsys.hsv_to_rgb(*_colour(index))
-    return "#{:02x}{:02x}{:02x}".format(*(round(c * 255) for c in (r, g, b)))
+    return PALETTE[index % len(PALETTE)]
 
 
-def _panels(plan: Plan) -> list[tuple[str, dict[int, int], int]]:
-    """(axis, rank -> group index, number of groups) per panel; a one-panel grid of the ranks
+def _panels(plan: Plan) -> list[tuple[str, dict[int, int], list[list[int]]]]:
+    """(axis, rank -> group index, the groups' ranks) per panel; a one-panel grid of the ranks
     when every axis has size 1."""
     groups = rank_groups(plan.layout)
     if not groups:
-        return [("ranks", {r: 0 for r in range(plan.layout.world_size)}, 1)]
-    return [(axis, {r: i for i, g in enumerate(members) for r in g}, len(members))
+        everyone = list(range(plan.layout.world_size))
+        return [("ranks", {r: 0 for r in everyone}, [everyone])]
+    return [(axis, {r: i for i, g in enumerate(members) for r in g}, members)
             for axis, members in groups.items()]
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    """``0-7``, ``0 8 16 ... 120`` (a stride), or the first few."""
+    steps = {b - a for a, b in zip(ranks, ranks[1:])}
+    if len(ranks) > 2 and steps == {1}:
+        return f"{ranks[0]}-{ranks[-1]}"
+    if len(ranks) > 4 and len(steps) == 1:
+        return f"{ranks[0]} {ranks[1]} {ranks[2]} ... {ranks[-1]}"
+    if len(ranks) <= 6:
+        return " ".join(map(str, ranks))
+    return " ".join(map(str, ranks[:5])) + f" ... ({len(ranks)} ranks)"
+
+
+def _drawn_nodes(nodes: int) -> list[int | None]:
+    """The nodes drawn, ``None`` standing for those left out."""
+    if nodes <= MAX_NODES:
+        return list(range(nodes))
+    return [*range(MAX_NODES - 3), None, nodes - 2, nodes - 1]
+
+
+def _text_width(text: str, size: int) -> int:
+    return int(len(text) * size * 0.6) + 1  # an upper bound for sans-serif at ``size`` px
+
+
 def to_svg(plan: Plan) -> str:
-    """The rank grid as SVG: one panel per axis, a box per node, a colour per group."""
+    """The rank grid as SVG: one panel per axis with a legend, a box per node, a colour and a
+    label per group; at most ``MAX_NODES`` nodes drawn per panel."""
     lay = plan.layout
     per_node = min(lay.gpus_per_node, lay.world_size)
     nodes = math.ceil(lay.world_size / per_node)
-    cols = min(nodes, NODES_PER_ROW)
+    drawn = _drawn_nodes(nodes)
+    cols = min(len(drawn), NODES_PER_ROW)
     node_w = per_node * (CELL + GAP) + GAP
     node_h = CELL + 2 * GAP + 14
-    grid_rows = math.ceil(nodes / cols)
-    panel_w = cols * (node_w + PAD) + PAD
-    panel_h = 24 + grid_rows * (node_h + PAD) + PAD
-    panels = _panels(plan)
-    width, height = max(panel_w, 520), 52 + len(panels) * (panel_h + PAD)
+    grid_h = math.ceil(len(drawn) / cols) * (node_h + PAD)
+    title = (f"world size {lay.world_size}, mesh "
+             + " x ".join(f"{a.value}={n}" for a, n in zip(lay.mesh_axes, lay.mesh_shape)))
+    note = (f"a box is a node of {lay.gpus_per_node} GPUs; ranks of one colour and label (g N) "
+            "form one process group of the panel's axis")
+    width = max(cols * (node_w + PAD) + PAD, _text_width(title, 14) + 2 * PAD,
+                _text_width(note, 11) + 2 * PAD)
+    legend_cols = max(1, (width - 2 * PAD) // LEGEND_W)
+    panels = []
+    for axis, group_of, members in _panels(plan):
+        entries = min(len(members), LEGEND) + (len(members) > LEGEND)
+        grid_top = 24 + math.ceil(entries / legend_cols) * 16 + 6
+        panels.append((axis, group_of, members, grid_top, grid_top + grid_h))
+    height = 52 + sum(p[-1] + PAD for p in panels)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
         f"<title>shardgraph plan: world size {lay.world_size}, {lay.gpus_per_node} GPUs per "
         "node</title>",
-        f'<text x="{PAD}" y="18" font-size="14">world size {lay.world_size}, mesh '
-        + escape(" x ".join(f"{a.value}={n}" for a, n in zip(lay.mesh_axes, lay.mesh_shape)))
-        + "</text>",
-        f'<text x="{PAD}" y="36">a box is a node of {lay.gpus_per_node} GPUs; ranks of one '
-        "colour form one process group of the panel's axis</text>",
+        f'<text x="{PAD}" y="18" font-size="14">{escape(title)}</text>',
+        f'<text x="{PAD}" y="36">{escape(note)}</text>',
     ]
     y0 = 52
-    for axis, group_of, count in panels:
+    for axis, group_of, members, grid_top, panel_h in panels:
+        count = len(members)
         out.append(f'<g id="panel-{escape(axis)}" transform="translate(0,{y0})">')
         out.append(f'<text x="{PAD}" y="16" font-size="13" font-weight="bold">{escape(axis)}'
                    f" ({count} group{'s' if count != 1 else ''})</text>")
-        for node in range(nodes):
-            nx = PAD + (node % cols) * (node_w + PAD)
-            ny = 24 + (node // cols) * (node_h + PAD)
+        out.append('<g class="legend">')
+        for i in range(min(count, LEGEND) + (count > LEGEND)):
+            lx, ly = PAD + (i % legend_cols) * LEGEND_W, 24 + (i // legend_cols) * 16
+            if i == LEGEND:
+                out.append(f'<text x="{lx}" y="{ly + 10}" fill="#555">... and {count - LEGEND}'
+                           " more groups</text>")
+                break
+            out.append(f'<rect x="{lx}" y="{ly}" width="12" height="12" rx="2" '
+                       f'fill="{_hex(i)}" stroke="#333" stroke-width="0.5"/>'
+                       f'<text x="{lx + 16}" y="{ly + 10}">g{i}: '
+                       f"{escape(_ranks_text(members[i]))}</text>")
+        out.append("</g>")
+        for slot, node in enumerate(drawn):
+            nx = PAD + (slot % cols) * (node_w + PAD)
+            ny = grid_top + (slot // cols) * (node_h + PAD)
+            if node is None:
+                first, last = drawn[slot - 1] + 1, drawn[slot + 1] - 1
+                out.append(f'<rect x="{nx}" y="{ny}" width="{node_w}" height="{node_h}" rx="4" '
+                           'fill="none" stroke="#999" stroke-dasharray="4 3"/>'
+                           f'<text class="elided" x="{nx + node_w / 2}" y="{ny + node_h / 2 + 4}"'
+                           f' text-anchor="middle" fill="#555">nodes {first}-{last} '
+                           f"({last - first + 1}) like these</text>")
+                continue
             out.append(f'<rect x="{nx}" y="{ny}" width="{node_w}" height="{node_h}" rx="4" '
                        'fill="none" stroke="#555" stroke-width="1.5"/>')
             out.append(f'<text x="{nx + 3}" y="{ny + 11}" font-size="9" fill="#555">'
                        f"node {node}</text>")
-            for slot in range(per_node):
-                rank = node * per_node + slot
+            for index in range(per_node):
+                rank = node * per_node + index
                 if rank >= lay.world_size:
                     break
-                x, y = nx + GAP + slot * (CELL + GAP), ny + 14
+                x, y = nx + GAP + index * (CELL + GAP), ny + 14
                 group = group_of[rank]
                 out.append(
                     f'<g class="rank" data-rank="{rank}" data-group="{group}">'
                     f'<title>rank {rank}: {escape(axis)} group {group}</title>'
                     f'<rect x="{x}" y="{y}" width="{CELL}" height="{CELL}" rx="3" '
                     f'fill="{_hex(group)}" stroke="#333" stroke-width="0.5"/>'
-                    f'<text x="{x + CELL / 2}" y="{y + CELL / 2 + 4}" text-anchor="middle">'
-                    f"{rank}</text></g>")
+                    f'<text x="{x + CELL / 2}" y="{y + 13}" text-anchor="middle">{rank}</text>'
+                    f'<text x="{x + CELL / 2}" y="{y + CELL - 4}" text-anchor="middle" '
+                    f'font-size="8" fill="#333">g{group}</text></g>')
         out.append("</g>")
         y0 += panel_h + PAD
     out.append("</svg>")
@@ -184,15 +242,15 @@ def to_dot(plan: Plan) -> str:
     out = ["graph shardgraph {",
            f'  label="world size {lay.world_size}: a box is a node; ranks of one colour form '
            'one group"; labelloc=t; node [shape=box, style="rounded,filled", fontsize=10];']
-    for axis, group_of, count in _panels(plan):
-        out.append(f'  subgraph "cluster_{axis}" {{ label="{axis} ({count} groups)";')
+    for axis, group_of, members in _panels(plan):
+        out.append(f'  subgraph "cluster_{axis}" {{ label="{axis} ({len(members)} groups)";')
         for node in range(math.ceil(lay.world_size / per_node)):
             out.append(f'    subgraph "cluster_{axis}_node{node}" {{ label="node {node}"; '
                        "style=rounded;")
             for rank in range(node * per_node, min((node + 1) * per_node, lay.world_size)):
-                h, s, v = _colour(group_of[rank])
-                out.append(f'      "{axis}_{rank}" [label="{rank}", '
-                           f'fillcolor="{h:.3f} {s:.3f} {v:.3f}"];')
+                group = group_of[rank]
+                out.append(f'      "{axis}_{rank}" [label="{rank}\\ng{group}", '
+                           f'fillcolor="{_hex(group)}"];')
             out.append("    }")
         out.append("  }")
     out.append("}")
