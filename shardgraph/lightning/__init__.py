@@ -21,6 +21,6 @@ def __getattr__(name: str) -> Any:
                 raise
             raise ImportError(
                 "ShardgraphStrategy needs Lightning: pip install 'shardgraph[lightning]' "
-                "(or pip install lightning)") from exc
+                "(in a checkout: pip install -e '.[lightning]'; or pip install lightning)") from exc
         return ShardgraphStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

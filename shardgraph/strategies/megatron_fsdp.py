@@ -53,7 +53,8 @@ def _model_check(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContex
 
     missing = []
     if importlib.util.find_spec("megatron_fsdp") is None:
-        missing.append("the megatron-fsdp package (pip install 'shardgraph[megatron]')")
+        missing.append("the megatron-fsdp package (pip install 'shardgraph[megatron]'; "
+                       "in a checkout: pip install -e '.[megatron]')")
     if not torch.cuda.is_available() or ctx.device_type != "cuda":
         missing.append("CUDA devices (megatron-fsdp calls CUDA unconditionally)")
     if missing:

@@ -214,7 +214,8 @@ def _load_text(spec: DataConfig, path: Path, vocab_size: int, model_path: str | 
     except ImportError:
         return None, None, [Violation(
             "data", ("data.path",), f"reading {path.name} needs the `datasets` library, which "
-            "is not installed", hint="pip install 'shardgraph[data]'")]
+            "is not installed", hint="pip install 'shardgraph[data]' "
+            "(in a checkout of shardgraph: pip install -e '.[data]')")]
     tokenizer, bad = _tokenizer(spec, vocab_size, model_path)
     files = text_files(path)
     if not files:
