@@ -27,6 +27,7 @@ Nothing here names a plugin: the hooks and values are declared, the axes are the
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,16 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """The plain token losses: cross-entropy of the logits in fp32, summed, ``-100`` ignored."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                            ignore_index=IGNORE, reduction="sum")
+
+
+@contextlib.contextmanager
+def _outputs_read_out_of_place() -> Iterator[None]:
+    """Without FSDP2's warning that the model returned a view (a tp LM head's logits are
+    ``DTensor.to_local``'s view) on which an in-place op would skip a hook: the step's loss
+    reads them out of place. A forward of the user's own still gets the warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        yield
 
 
 @attrs.frozen
@@ -157,11 +168,12 @@ class ParallelModel:
         """Forward and backward of one micro-batch (already shifted labels); returns the sum of
         ``loss_fn`` on this rank, detached."""
         if self.runner is not None:
-            return self.runner.run(input_ids, labels, loss_fn).detach()
+            with _outputs_read_out_of_place():
+                return self.runner.run(input_ids, labels, loss_fn).detach()
         inputs = self.prepare_batch({"input_ids": input_ids, "shift_labels": labels})
         local = inputs.pop("shift_labels")
         inputs = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
-        with self.loss_context():
+        with self.loss_context(), _outputs_read_out_of_place():
             out = self.module(**inputs)
             loss = loss_fn(getattr(out, "logits", out), local)
             loss.backward()
