@@ -11,7 +11,7 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from ..core.errors import PlanError, Violation
@@ -78,6 +78,8 @@ class ShardgraphStrategy(ModelParallelStrategy):
         if precision == "bf16-mixed":
             # The plan's precision policy now does what Lightning's autocast would.
             self.precision_plugin = Precision()
+            rank_zero_info("ShardgraphStrategy: precision=\"bf16-mixed\" runs as the plan's "
+                           "mixed_precision (bf16 compute, fp32 reduce), not Lightning's autocast")
         self._setup_distributed()
         ctx = plan.build_mesh(self.root_device.type)
         self.distributed_setup = DistributedSetup(plan, ctx, perception_plan)

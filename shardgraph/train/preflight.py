@@ -199,7 +199,8 @@ def _export_dir(pipeline: Pipeline) -> list[Violation]:
     if path.is_dir() and any(path.iterdir()):
         return [Violation("checkpoint", ("checkpoint.export_hf",),
                           f"{out} exists and is not empty: the export at the end would fail",
-                          hint="choose a new directory, or empty it")]
+                          hint=f"move {out} away (a run that resumes exports again at its "
+                          "end), or set another export_hf")]
     _, problem = _writable_ancestor(path)
     if problem is not None:
         return [Violation("checkpoint", ("checkpoint.export_hf",),
