@@ -174,7 +174,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help=argparse.SUPPRESS)
     for name, entry in COMMANDS.items():
-        p = sub.add_parser(name, prog=f"shardgraph {name}", description=entry.help[0].upper() + entry.help[1:] + ".")
+        p = sub.add_parser(name, prog=f"shardgraph {name}",
+                           description=entry.help[0].upper() + entry.help[1:] + ".")
         if name == command:
             arguments, run = entry.load()
             arguments(p)
