@@ -147,8 +147,11 @@ def test_plan_lists_each_step_once_and_says_what_a_step_uses(capsys):
     assert main(["plan", str(ROOT / "examples" / "default.toml"), "--world-size", "4"]) == 0
     steps = [line.split(". ", 1)[1] for line in capsys.readouterr().out.splitlines()
              if line.startswith("  ") and line.strip()[:1].isdigit()]
-    assert steps == ["tp  (uses sequence_parallel from sp)", "sp", "activation_checkpointing",
-                     "fsdp2"]
+    # each plugin once; what a step takes from another is said as such (tp + sp read
+    # "2. tp + sp (sequence_parallel)", then "3. sp", as if sp ran twice)
+    assert [step.split()[0] for step in steps] == ["tp", "sp", "activation_checkpointing",
+                                                   "fsdp2"]
+    assert steps[0] == "tp  (uses sequence_parallel from sp)" and "+" not in "".join(steps)
 
 
 def test_plugins_shows_every_option_doc_whole(capsys):
