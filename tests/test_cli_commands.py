@@ -55,6 +55,8 @@ def test_help_lists_every_command_on_one_line_in_users_words(capsys):
         assert len(f"  {name:<10}{command.help}") <= 79, name
     for internal in ("COMMANDS", "register", "module", "import"):
         assert internal not in out, internal
+    assert main([]) == 2  # no command: the same listing, on stderr
+    assert "  train     " in capsys.readouterr().err
 
 
 def test_help_and_the_light_commands_import_neither_torch_nor_transformers(tmp_path):
