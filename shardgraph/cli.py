@@ -22,7 +22,7 @@ import attrs
 from .core.errors import PlanError, PlanWarning, Violation
 from .graphs.explain import explain, rank_groups, to_dot, to_svg
 from .graphs.toml import load_toml
-from .planner.cli import add_auto_arguments, run_auto
+from .commands.planner import add_auto_arguments, run_auto
 from .plugins.builtin import default_registry
 from .plugins._describe import describe
 
@@ -52,7 +52,7 @@ COMMANDS: dict[str, Command] = {
     "explain": Command("show a plan's steps, mesh and process groups (--svg: a picture)",
                        "shardgraph.cli", "explain_arguments", "run_explain"),
     "estimate": Command("predict memory per GPU and step time, for GPUs you do not have",
-                        "shardgraph.planner.cli", "estimate_arguments", "run_estimate"),
+                        "shardgraph.commands.planner", "estimate_arguments", "run_estimate"),
     "dryrun": Command("build one rank of a large run here: its memory and collectives",
                       "shardgraph.train.cli", "dryrun_arguments", "run_dryrun"),
     "export": Command("write a checkpoint as a Hugging Face safetensors directory",

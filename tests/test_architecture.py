@@ -164,8 +164,8 @@ def test_a_private_module_serves_one_plugin_from_its_package():
 
 @pytest.mark.parametrize("layer, banned", [
     ("shardgraph.planner", ("shardgraph.parallelisms", "shardgraph.strategies", "shardgraph.train",
-                            "shardgraph.cli", "shardgraph.lightning")),
-    ("shardgraph.train", ("shardgraph.cli", "shardgraph.planner.cli", "shardgraph.lightning")),
+                            "shardgraph.cli", "shardgraph.commands", "shardgraph.lightning")),
+    ("shardgraph.train", ("shardgraph.cli", "shardgraph.commands", "shardgraph.lightning")),
     ("shardgraph.graphs", ("shardgraph.parallelisms", "shardgraph.strategies", "shardgraph.train",
                            "shardgraph.planner", "shardgraph.cli", "shardgraph.lightning")),
     ("shardgraph.core", ("shardgraph.plugins", "shardgraph.parallelisms", "shardgraph.strategies",

@@ -1,8 +1,8 @@
 """``shardgraph estimate`` and ``shardgraph plan --auto`` (see ``shardgraph.cli.COMMANDS``).
 
 The command glue only (arguments, reading the pipeline file, printing); the text is
-``render``'s. It imports the pipeline loader, so it is the one planner module above the library
-(``tests/test_architecture.py`` names it).
+``planner.render``'s. It reads pipeline files through ``train.config``, which the planner (a
+library) never imports: so it lives here, above both.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import argparse
 import json
 
 from ..core.errors import PlanError, Violation
+from ..planner.render import render_candidates, render_estimate
 from ..train.config import load_pipeline
-from .render import render_candidates, render_estimate
 
 
 def _world(args: argparse.Namespace, pipeline) -> int:
@@ -39,7 +39,7 @@ def estimate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from .predict import estimate
+    from ..planner.predict import estimate
 
     pipeline = load_pipeline(args.file)
     est = estimate(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
@@ -58,7 +58,7 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_auto(args: argparse.Namespace) -> int:
-    from .search import autoplan
+    from ..planner.search import autoplan
 
     if args.top < 1:
         raise PlanError([Violation("value", ("--top",), f"--top must be >= 1, got {args.top}",
