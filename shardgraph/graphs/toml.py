@@ -46,6 +46,9 @@ SIZE_KEYS = {
 }
 #: [distributed] boolean switches -> plugin
 SWITCHES = {"sequence_parallel": "sp", "activation_checkpointing": "activation_checkpointing"}
+#: switches that also take a string (NeMo AutoModel's ``activation_checkpointing = "selective"``)
+#: -> the option it sets; the plugin's own check validates the value
+SWITCH_STRINGS = {"activation_checkpointing": "mode"}
 #: [distributed.pipeline] NeMo names -> pp option names
 PIPELINE_KEYS = {
     "pp_schedule": "schedule",
@@ -249,9 +252,14 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
         if isinstance(value, dict):  # a switch with options: [distributed.activation_checkpointing]
             graph.entries.append(Entry(plugin, value, path=p + key,
                                        origins={k: f"{p}{key}.{k}" for k in value}))
+        elif isinstance(value, str) and key in SWITCH_STRINGS:
+            option = SWITCH_STRINGS[key]
+            graph.entries.append(Entry(plugin, {option: value}, path=p + key,
+                                       origins={option: p + key}))
         elif not isinstance(value, bool):
-            bad.append(Violation("type", (p + key,), f"{key} must be true, false or a table of "
-                                 f"its options, got {value!r}",
+            spelled = " or a string" if key in SWITCH_STRINGS else ""
+            bad.append(Violation("type", (p + key,), f"{key} must be true, false{spelled} or a "
+                                 f"table of its options, got {value!r}",
                                  hint=f"{key} = true"))
         elif value:
             graph.entries.append(Entry(plugin, {}, path=p + key))

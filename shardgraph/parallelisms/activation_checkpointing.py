@@ -8,20 +8,26 @@ checkpointed independently (a speech encoder and an LLM: ``{"llm": "llm.model.la
 "perception": ["encoder.layers.*", "adapter.*"]}``). A glob's outermost matches are checkpointed
 (recomputing a block already recomputes what it contains), and a glob matching nothing is an
 error naming its scope.
+
+``mode``: ``"full"`` recomputes everything a checkpointed module computed; ``"selective"``
+saves the outputs of every other matmul, of attention and of collectives and recomputes the
+rest (an op-level policy, ``_ac_policy``).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ..core.blocks import blocks_violation, find_blocks
 from ..core.costs import Cost
-from ..core.errors import Violation
+from ..core.errors import Violation, choices_hint, did_you_mean
 from ..core.values import Recomputation
 from ..plugins import Kind, Plugin
+from ._ac_policy import selective_contexts
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
@@ -29,6 +35,7 @@ if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is r
     from ..core.context import MeshContext
 
 _SCOPES_EXAMPLE = "scopes = { llm = \"llm.model.layers.*\", perception = [\"encoder.layers.*\"] }"
+MODES = ("full", "selective")
 
 
 @attrs.frozen
@@ -38,6 +45,9 @@ class ActivationCheckpointingOptions:
     #: scope name -> an FQN glob or a list of them. A plain ``dict`` so that a lone string is
     #: not split into characters by the structurer; ``_check`` validates the shape.
     scopes: dict = attrs.field(factory=dict)
+    #: "full": recompute all; "selective": keep matmul (every other), attention and
+    #: collective outputs, recompute the rest
+    mode: str = "full"
 
 
 def _globs(value: Any) -> list[str]:
@@ -46,6 +56,10 @@ def _globs(value: Any) -> list[str]:
 
 def _check(options: ActivationCheckpointingOptions, layout, settings) -> list[Violation]:
     bad = []
+    if options.mode not in MODES:
+        bad.append(Violation(
+            "option", ("mode",), f"unknown mode {options.mode!r}{did_you_mean(options.mode, MODES)}",
+            hint=choices_hint(options.mode, MODES)))
     if options.scopes and options.blocks is not None:
         bad.append(Violation(
             "option", ("blocks", "scopes"), "blocks and scopes both choose what to checkpoint",
@@ -94,6 +108,8 @@ def _apply(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshC
            inputs: dict[str, Any]):
     from torch.distributed._composable import checkpoint
 
+    if options.mode == "selective":
+        checkpoint = selective_checkpoint  # noqa: F811 - the same role, another mechanism
     if not options.scopes:
         for _, block in find_blocks(model, options.blocks):
             checkpoint(block)
@@ -110,7 +126,12 @@ def _apply(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshC
 
 
 def _recomputing(module: nn.Module) -> bool | None:
-    """None: ``module`` is not checkpointed here; True: its checkpoint is recomputing it."""
+    """None: ``module`` is not checkpointed here; True: its checkpoint is recomputing it.
+
+    A selectively checkpointed module answers None: its recompute replays the forward's saved
+    results op by op, in order, so a module inside it that skipped its ops in the recompute
+    (ep's router reusing its kept outputs) would shift every later replay.
+    """
     from torch.distributed._composable import checkpoint
     from torch.distributed._composable.contract import _get_registry
 
@@ -125,8 +146,32 @@ def _export(options: ActivationCheckpointingOptions, layout, inputs: dict[str, A
 
 
 def _cost(options, layout) -> Cost:
-    # every checkpointed block keeps its input and runs its forward again in backward
-    return Cost(recompute=1.0)
+    # full: every checkpointed block keeps its input and runs its forward again in backward;
+    # selective runs about half its matmuls again (as the planner prices torchtitan's policy)
+    # and its memory is priced as full's (the planner does not model what it keeps)
+    return Cost(recompute=0.5 if options.mode == "selective" else 1.0)
+
+
+def selective_checkpoint(module: nn.Module) -> None:
+    """Checkpoint ``module``'s forward under the selective policy.
+
+    Not the composable ``checkpoint``: that one recomputes by calling the module, which runs
+    the hooks other steps put on it (FSDP2's pre-forward) inside the recompute, and a selective
+    recompute replays the forward's ops by position, so any op those hooks add there is a
+    mismatch. Wrapping ``forward`` keeps every hook outside the checkpointed region; parameter
+    names do not change, and ``torch.compile`` of the block traces the checkpoint as one region
+    whose policy its partitioner follows.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_contexts,
+                          **kwargs)
+
+    module.forward = checkpointed
 
 
 PLUGIN = Plugin(
@@ -141,5 +186,5 @@ PLUGIN = Plugin(
     apply=_apply,
     export=_export,
     doc="recompute each transformer block (or each named scope's modules) in backward "
-        "(composable checkpoint)",
+        "(composable checkpoint); mode full or selective (keep matmuls, attention, collectives)",
 )
