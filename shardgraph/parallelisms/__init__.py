@@ -1,2 +1,2 @@
 """Parallelisms and policies: tp, sp, pp, cp, ep, hsdp, activation checkpointing, mixed
-precision, chunked loss, float8; one module or package each."""
+precision, chunked loss, float8, compile; one module or package each."""

@@ -38,7 +38,10 @@ def _expert_parallel_class(cls: type) -> type:
     """A subclass of the model's experts class whose forward is expert-parallel (the way
     ``fully_shard`` swaps in ``FSDP<cls>``): isinstance checks and parameter names still hold."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _forward})
+        # Run eagerly inside a compiled block: the split sizes are data (a host copy), and
+        # dynamo would specialise on each batch's until its recompile limit.
+        forward = torch.compiler.disable(_forward)
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": forward})
     return _CLASSES[cls]
 
 

@@ -1,0 +1,136 @@
+"""compile: ``torch.compile`` each transformer block, in place.
+
+Each block's ``forward`` is replaced by its compiled version on the block itself, so parameter
+names, the state dict and checkpoints are those of the eager model. Only the forward is
+compiled, not the module call: the hooks other steps registered on the block (FSDP2's
+all-gather, the composable checkpoint's frame, tp/sp's input layouts) run eagerly around it,
+so ``fullgraph`` holds under activation checkpointing, and identical blocks share one compiled
+graph (their parameters are graph inputs, not constants).
+
+The step runs after every step that changes what a block computes (tp, sp, cp, ep, pp's
+split, activation checkpointing) and before the data-parallel wrap: its declaration says so,
+through capabilities, and the compiler orders it from that alone. Under tensor parallelism it
+is refused for now (see ``conflicts`` below).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..core.blocks import blocks_violation, find_blocks
+from ..core.errors import Violation, choices_hint, did_you_mean
+from ..plugins import Kind, Plugin
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+
+    from ..core.context import MeshContext
+
+#: inductor's modes (``torch.compile(mode=...)``); other backends take none
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+INDUCTOR = "inductor"
+
+
+@attrs.frozen
+class CompileOptions:
+    #: FQN glob of the blocks to compile; default: HF ``_no_split_modules`` or the layer list
+    blocks: str | None = None
+    #: refuse graph breaks inside a block (an error names the break instead of a silent split)
+    fullgraph: bool = False
+    #: inductor's mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs
+    mode: str | None = None
+    #: shapes: True symbolic from the start, False specialised, unset: symbolic on a change
+    dynamic: bool | None = None
+    #: a torch.compile backend (``torch._dynamo.list_backends()``): inductor, aot_eager, ...
+    backend: str = INDUCTOR
+
+
+def _check(options: CompileOptions, layout, settings) -> list[Violation]:
+    bad = []
+    if not options.backend:
+        bad.append(Violation("option", ("backend",), "backend must name a torch.compile backend",
+                             hint="backend = \"inductor\" (the default), or \"aot_eager\""))
+    if options.mode is not None:
+        if options.mode not in MODES:
+            bad.append(Violation(
+                "option", ("mode",), f"unknown mode {options.mode!r}"
+                f"{did_you_mean(options.mode, MODES)}", hint=choices_hint(options.mode, MODES)))
+        elif options.backend != INDUCTOR:
+            bad.append(Violation(
+                "option", ("mode", "backend"),
+                f"mode {options.mode!r} is an inductor mode; backend {options.backend!r} "
+                "takes none", hint="remove mode, or set backend = \"inductor\""))
+    return bad
+
+
+@functools.cache
+def _backends() -> tuple[str, ...]:
+    import torch._dynamo
+
+    return tuple(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def _no_cpp_compiler() -> str | None:
+    """Why inductor cannot build CPU kernels here, or None."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as exc:  # what is raised differs by platform; the text says what is missing
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _model_check(model: nn.Module, options: CompileOptions, ctx: MeshContext) -> list[Violation]:
+    bad = blocks_violation(model, options.blocks, "compile")
+    if options.backend and options.backend not in _backends():
+        bad.append(Violation(
+            "option", ("plugins.compile.backend",),
+            f"no torch.compile backend named {options.backend!r}"
+            f"{did_you_mean(options.backend, _backends())}",
+            hint=choices_hint(options.backend, _backends()), plugin="compile"))
+    elif options.backend == INDUCTOR and ctx.device_type == "cpu":
+        missing = _no_cpp_compiler()
+        if missing is not None:
+            bad.append(Violation(
+                "model", ("plugins.compile.backend",),
+                f"inductor builds CPU kernels with a C++ compiler and finds none ({missing})",
+                hint="install g++ (or set CXX), or use backend = \"aot_eager\"", plugin="compile"))
+    return bad
+
+
+def _apply(model: nn.Module, options: CompileOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    import torch
+
+    kwargs = {"fullgraph": options.fullgraph, "dynamic": options.dynamic,
+              "backend": options.backend}
+    if options.mode is not None:
+        kwargs["mode"] = options.mode
+    for _, block in find_blocks(model, options.blocks):
+        # An instance attribute: the class's forward, and every other block, stay as they are.
+        block.forward = torch.compile(block.forward, **kwargs)
+    return model
+
+
+PLUGIN = Plugin(
+    name="compile",
+    kind=Kind.POLICY,
+    options=CompileOptions,
+    provides={"compiled_blocks"},
+    # everything that rewrites a block first; the data-parallel wrap after
+    after={"pipeline_parallel", "tensor_parallel", "sequence_parallel", "context_parallel",
+           "expert_parallel", "activation_checkpointing"},
+    before={"data_parallel"},
+    # torch 2.13: the compiled block's backward hands a plain-tensor gradient to a DTensor
+    # redistribute of tp's (an AttributeError at world 2, wrong gradients under fsdp2 x tp);
+    # refused until it does not (pytorch/pytorch#173123 is the same failure).
+    conflicts={"tensor_parallel"},
+    check=_check,
+    model_check=_model_check,
+    apply=_apply,
+    doc="torch.compile each transformer block in place (names and checkpoints unchanged); "
+        "options fullgraph, mode, dynamic, backend",
+)
