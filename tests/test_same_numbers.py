@@ -8,7 +8,9 @@ tiny Qwen3-MoE (4 experts) built from the same seed on every rank.
 
 The reference is written with plain torch: the token-weighted mean cross-entropy of the global
 batch, micro-batches accumulated, ``clip_grad_norm_``, ``AdamW.step``. Under fsdp2, hsdp, ddp,
-tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp), and ep x dp:
+tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp), and ep x dp,
+and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile
+(aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, cp + selective, pp, ep + full):
 per-step losses within 1e-5, the global gradient norm within 1e-5 relative, and the parameters
 after three steps within 1e-3, a tenth of the learning rate: AdamW divides by the root of tiny
 second moments, so an element whose gradient is at the level of reduction-order noise can move by
@@ -31,6 +33,7 @@ from tests.models import VOCAB, full, tiny_llama
 pytestmark = pytest.mark.multiprocess
 
 SEQ, GLOBAL, STEPS, LR, WD, CLIP = 8, 8, 3, 1e-2, 0.1, 0.05
+COMPILE = {"backend": "aot_eager", "dynamic": False}
 
 
 def tiny_moe():
@@ -98,6 +101,26 @@ LAYOUTS = {
     "pp2_tp2_fsdp2": ("llama", lambda: Graph().add("pp", size=2).add("tp", size=2)
                       .add("fsdp2"), 4),
     "ep2_fsdp2": ("moe", lambda: Graph().add("ep", size=2).add("fsdp2"), 1),
+    # selective activation checkpointing, then per-block torch.compile (aot_eager: inductor's
+    # kernels are checked once in one process, test_compile.py) over every kind of layout
+    "fsdp2_sac": ("llama", lambda: Graph().add("activation_checkpointing", mode="selective")
+                  .add("fsdp2"), 1),
+    "tp2_sp_sac_fsdp2": ("llama", lambda: Graph().add("tp", size=2).add("sp")
+                         .add("activation_checkpointing", mode="selective").add("fsdp2"), 2),
+    "ep2_sac_fsdp2": ("moe", lambda: Graph().add("ep", size=2)
+                      .add("activation_checkpointing", mode="selective").add("fsdp2"), 1),
+    "fsdp2_ac_compile": ("llama", lambda: Graph().add("activation_checkpointing")
+                         .add("compile", **COMPILE).add("fsdp2"), 1),
+    "hsdp_compile": ("llama", lambda: Graph().add("hsdp", size=2).add("compile", **COMPILE)
+                     .add("fsdp2"), 1),
+    "ddp_compile": ("llama", lambda: Graph().add("compile", **COMPILE).add("ddp"), 1),
+    "cp2_sac_compile": ("llama", lambda: Graph().add("cp", size=2)
+                        .add("activation_checkpointing", mode="selective")
+                        .add("compile", **COMPILE).add("fsdp2"), 2),
+    "pp2_compile": ("llama", lambda: Graph().add("pp", size=2).add("compile", **COMPILE)
+                    .add("fsdp2"), 2),
+    "ep2_ac_compile": ("moe", lambda: Graph().add("ep", size=2).add("activation_checkpointing")
+                       .add("compile", **COMPILE).add("fsdp2"), 1),
 }
 
 
@@ -107,6 +130,12 @@ def _run(name: str, world: int) -> dict:
     kind, graph, micro = LAYOUTS[name]
     model = tiny_llama(layers=4) if kind == "llama" else tiny_moe()
     plan = graph().compile(world_size=world)
+    compiled = plan.step("compile") is not None
+    if compiled:
+        # One process runs every layout: without a reset, the blocks of earlier layouts use up
+        # dynamo's recompile limit for the block's code and later ones would run eagerly.
+        torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     ctx = plan.build_mesh("cpu")
     parallel = plan.apply(model, ctx)
     opt = torch.optim.AdamW(parallel.parameters(), lr=LR, weight_decay=WD, foreach=False)
@@ -124,7 +153,8 @@ def _run(name: str, world: int) -> dict:
         parts: list = [None] * world
         dist.all_gather_object(parts, params)
         params = {k: v for part in parts for k, v in part.items()}
-    return {"losses": losses, "norms": norms, "params": params,
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    return {"losses": losses, "norms": norms, "params": params, "graphs": graphs,
             "warnings": sorted({str(w.message)[:80] for w in caught})}
 
 
@@ -151,3 +181,7 @@ def test_losses_norms_and_parameters_match_one_process(world4, name):
     assert worst < 1e-3, worst
     # nothing for a user to act on: FSDP2's "returned a view tensor" (tp's logits) included
     assert got["warnings"] == [], got["warnings"]
+    # a compiled layout ran compiled blocks (one graph per distinct block, a few more where a
+    # graph breaks: ep's expert dispatch runs eagerly), and only those
+    assert (got["graphs"] > 0) == ("compile" in name)
+    assert got["graphs"] <= 4, got["graphs"]
