@@ -101,9 +101,13 @@ def test_bad_scopes_are_refused_at_compile_time(options, key, match):
     assert key in info.value.keys
 
 
-def test_distributed_switch_of_the_wrong_type_names_both_spellings():
-    with pytest.raises(PlanError, match="true, false or a table") as info:
-        loads_toml("[distributed]\nactivation_checkpointing = 'yes'\n")
+def test_distributed_switch_of_the_wrong_type_names_every_spelling():
+    with pytest.raises(PlanError, match="true, false, a mode \\(a string\\) or a table") as info:
+        loads_toml("[distributed]\nactivation_checkpointing = 1\n")
+    assert info.value.key == "distributed.activation_checkpointing"
+    # a string is a mode (NeMo AutoModel's "selective"), checked by the plugin like the graph form's
+    with pytest.raises(PlanError, match="unknown mode 'yes'") as info:
+        loads_toml("[distributed]\nactivation_checkpointing = 'yes'\n").compile(world_size=1)
     assert info.value.key == "distributed.activation_checkpointing"
 
 

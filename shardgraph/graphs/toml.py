@@ -257,7 +257,7 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
             graph.entries.append(Entry(plugin, {option: value}, path=p + key,
                                        origins={option: p + key}))
         elif not isinstance(value, bool):
-            spelled = " or a string" if key in SWITCH_STRINGS else ""
+            spelled = f", a {SWITCH_STRINGS[key]} (a string)" if key in SWITCH_STRINGS else ""
             bad.append(Violation("type", (p + key,), f"{key} must be true, false{spelled} or a "
                                  f"table of its options, got {value!r}",
                                  hint=f"{key} = true"))

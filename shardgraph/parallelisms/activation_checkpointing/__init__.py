@@ -11,7 +11,7 @@ error naming its scope.
 
 ``mode``: ``"full"`` recomputes everything a checkpointed module computed; ``"selective"``
 saves the outputs of every other matmul, of attention and of collectives and recomputes the
-rest (an op-level policy, ``_ac_policy``).
+rest (an op-level policy, ``_policy``).
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..core.blocks import blocks_violation, find_blocks
-from ..core.costs import Cost
-from ..core.errors import Violation, choices_hint, did_you_mean
-from ..core.values import Recomputation
-from ..plugins import Kind, Plugin
-from ._ac_policy import selective_contexts
+from ...core.blocks import blocks_violation, find_blocks
+from ...core.costs import Cost
+from ...core.errors import Violation, choices_hint, did_you_mean
+from ...core.values import Recomputation
+from ...plugins import Kind, Plugin
+from ._policy import selective_contexts
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
 
-    from ..core.context import MeshContext
+    from ...core.context import MeshContext
 
 _SCOPES_EXAMPLE = "scopes = { llm = \"llm.model.layers.*\", perception = [\"encoder.layers.*\"] }"
 MODES = ("full", "selective")
