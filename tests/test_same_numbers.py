@@ -164,7 +164,7 @@ def _all(rank: int, world: int, names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def world4() -> dict:
-    return _dist.run(_all, 4, list(LAYOUTS), timeout=600)[0]
+    return _dist.run(_all, 4, list(LAYOUTS), timeout=1200)[0]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -1,7 +1,8 @@
 """activation_checkpointing: recompute each transformer block's activations in backward.
 
-Uses torch's composable ``checkpoint``, which keeps parameter names (``checkpoint_wrapper``
-would insert ``_checkpoint_wrapped_module.`` into every FQN and break checkpoints).
+``mode = "full"`` uses torch's composable ``checkpoint``, which keeps parameter names
+(``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module.`` into every FQN and break
+checkpoints); ``"selective"`` wraps the block's ``forward`` (``selective_checkpoint``).
 
 ``scopes`` names groups of modules by FQN globs, for composite models whose parts are
 checkpointed independently (a speech encoder and an LLM: ``{"llm": "llm.model.layers.*",
@@ -185,6 +186,7 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     export=_export,
-    doc="recompute each transformer block (or each named scope's modules) in backward "
-        "(composable checkpoint); mode full or selective (keep matmuls, attention, collectives)",
+    doc="recompute each transformer block (or each named scope's modules) in backward; mode "
+        "full (composable checkpoint) or selective (keeps matmul, attention and collective "
+        "outputs)",
 )
