@@ -6,7 +6,7 @@
 ``compile``: one process, a seeded Llama stepped eagerly and with each block compiled by the
 ``compile`` plugin (world size 1 keeps policies); rounds alternate which goes first, so drift in
 the machine's load hits both alike. Prints the compile time (the first compiled step's wall
-time less an eager step), the median CPU time per step of each, and their ratio per round.
+time less an eager step; inductor's cache starts empty), the median CPU time per step of each, and their ratio per round.
 
 ``checkpointing``: one child process per mode (none, selective, full), each with glibc told to
 return freed memory at once (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``, so that
@@ -87,6 +87,10 @@ def tokens_of(args):
 
 
 def bench_compile(args) -> None:
+    import tempfile
+
+    # a fresh cache: the compile time printed is a cold compile's, every run
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-bench-")
     import torch
 
     from shardgraph import Graph
