@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..core.blocks import blocks_violation, find_blocks
+from ..core.costs import Cost
 from ..core.errors import Violation, choices_hint, did_you_mean
 from ..plugins import Kind, Plugin
 
@@ -115,6 +116,11 @@ def _apply(model: nn.Module, options: CompileOptions, ctx: MeshContext, inputs: 
     return model
 
 
+def _cost(options: CompileOptions, layout) -> Cost:
+    # inductor fuses each block's norms, activations and residual adds into few kernels
+    return Cost(fused_elementwise=options.backend == INDUCTOR)
+
+
 PLUGIN = Plugin(
     name="compile",
     kind=Kind.POLICY,
@@ -131,6 +137,7 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
+    cost=_cost,
     doc="torch.compile each transformer block in place (names and checkpoints unchanged); "
         "options fullgraph, mode, dynamic, backend",
 )
