@@ -127,8 +127,8 @@ PLUGIN = Plugin(
     options=CompileOptions,
     provides={"compiled_blocks"},
     # everything that rewrites a block first; the data-parallel wrap after
-    after={"pipeline_parallel", "tensor_parallel", "sequence_parallel", "context_parallel",
-           "expert_parallel", "activation_checkpointing"},
+    after={"pipeline_parallel", "float8", "tensor_parallel", "sequence_parallel",
+           "context_parallel", "expert_parallel", "activation_checkpointing"},
     before={"data_parallel"},
     # torch 2.13: the compiled block's backward hands a plain-tensor gradient to a DTensor
     # redistribute of tp's (an AttributeError at world 2, wrong gradients under fsdp2 x tp);
