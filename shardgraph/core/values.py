@@ -13,7 +13,8 @@ module (pluggy's hook specs play the same part for hooks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -179,6 +180,49 @@ class Float8Training:
     fsdp_float8_all_gather: bool
 
 
+@attrs.frozen
+class LowRankAdapters:
+    """Low-rank adapters beside base linears (capability ``low_rank_adapters``, LoRA).
+
+    Each module named in ``modules`` is an ``nn.Linear`` that keeps its own ``weight`` and
+    ``bias`` (FQNs unchanged, frozen) and computes ``base(x) + up(drop(x) @ down.T).T * scale``
+    through bias-free ``nn.Linear`` children named ``down`` and ``up``, plus the parameter-free
+    children in ``extra`` (dropout). A plugin that lays the base linear out must lay the adapters
+    out too: it takes them away while its own styles shard the base (:meth:`detached`), then
+    shards ``down`` and ``up`` along the dims :meth:`split` gives for the base's split.
+    """
+
+    modules: frozenset[str] = attrs.field(converter=frozenset)  # base linear FQNs
+    down: str = "lora_A"
+    up: str = "lora_B"
+    extra: tuple[str, ...] = ("lora_dropout",)
+
+    def adapted(self, fqn: str) -> bool:
+        return fqn in self.modules
+
+    @staticmethod
+    def split(weight_dim: int | None) -> tuple[int | None, int | None]:
+        """The weight dims of ``(down, up)`` to shard (None: replicate) when the base's weight
+        is sharded along ``weight_dim`` (0: outputs, colwise; 1: inputs, rowwise; None: whole).
+
+        Colwise: ``up`` is split like the output and ``down`` whole, so each rank's adapter
+        output is its slice of the full one. Rowwise: ``down`` is split like the input and
+        ``up`` whole, so each rank's adapter output is a partial sum, reduced with the base's.
+        """
+        return {None: (None, None), 0: (None, 0), 1: (1, None)}[weight_dim]
+
+    @contextlib.contextmanager
+    def detached(self, module: nn.Module) -> Iterator[dict[str, nn.Module]]:
+        """Take the adapter children out of ``module`` while the body shards its own
+        parameters; yields ``{name: child}`` and puts them back in the same order."""
+        names = (*self.extra, self.down, self.up)
+        children = {n: module._modules.pop(n) for n in names if n in module._modules}
+        try:
+            yield children
+        finally:
+            module._modules.update(children)
+
+
 #: capability -> the type of the value that carries it (a plugin may declare more of its own:
 #: ``Plugin.contracts``). Capabilities not named here are flags: present or not, no value.
 CONTRACTS: dict[str, type] = {
@@ -189,6 +233,7 @@ CONTRACTS: dict[str, type] = {
     "pipeline_parallel": StepRunner,
     "activation_checkpointing": Recomputation,
     "float8": Float8Training,
+    "low_rank_adapters": LowRankAdapters,
 }
 
 

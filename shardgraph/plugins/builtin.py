@@ -8,15 +8,26 @@ from __future__ import annotations
 
 import functools
 
-from ..parallelisms import (activation_checkpointing, chunked_loss, cp, ep, float8, hsdp,
-                            mixed_precision, pp, sp, tp)
+from ..parallelisms import (
+    activation_checkpointing,
+    chunked_loss,
+    cp,
+    ep,
+    float8,
+    hsdp,
+    lora,
+    mixed_precision,
+    pp,
+    sp,
+    tp,
+)
 from ..parallelisms import compile as compile_blocks
 from ..strategies import ddp, fsdp2, megatron_fsdp
 from ._registry import BUILTIN, Registry
 from ._spec import Plugin
 
 MODULES = (fsdp2, megatron_fsdp, ddp, hsdp, tp, sp, pp, cp, ep, activation_checkpointing,
-           mixed_precision, chunked_loss, float8, compile_blocks)
+           mixed_precision, chunked_loss, float8, compile_blocks, lora)
 
 
 def builtins() -> list[Plugin]:

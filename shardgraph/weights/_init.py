@@ -9,7 +9,9 @@ local shards (``to_empty``) and fills them, one module at a time:
   ``init_fn`` (HF's ``_init_weights``: the model's own distributions) from a generator seeded by
   ``(seed, canonical FQN of the module)``; the rank keeps its slice. The full weights therefore
   depend only on the seed and the FQNs, never on the plan or the world size. At most one
-  module's full parameters exist at a time beyond the shards.
+  module's full parameters exist at a time beyond the shards. A module whose class sets
+  ``shardgraph_own_init = True`` (LoRA's adapters, added by a plugin) is drawn by its own
+  ``reset_parameters`` under the same seed instead of ``init_fn``.
 * ``hf_load(path)`` (``_hf.py``): the rank reads only its slices of a safetensors checkpoint.
 """
 
@@ -128,7 +130,10 @@ def seeded_init(seed: int, init_fn: InitFn) -> Callable[[nn.Module], None]:
             full = _full_size_copy(module, params)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_derived_seed(seed, canonical_name(name)))
-                init_fn(full)
+                if getattr(type(module), "shardgraph_own_init", False):
+                    full.reset_parameters()  # a module a plugin added (LoRA's adapters)
+                else:
+                    init_fn(full)
             for n, p in params.items():
                 _local(p).copy_(local_part(full._parameters[n].detach(), p))
 

@@ -11,6 +11,10 @@ them vocabulary-sharded (a ``DTensor``) instead, which saves the gather and the 
 logits on every rank; the training loop then runs the forward *and* ``backward()`` inside
 ``torch.distributed.tensor.parallel.loss_parallel()``, and the loss is a replicated DTensor.
 
+Low-rank adapters a step before this one added (``inputs["low_rank_adapters"]``, LoRA's) are
+laid out beside their base linear so that the sum stays exact: a colwise layer's ``up`` is split
+like its output, a rowwise layer's ``down`` like its input (``LowRankAdapters.split``).
+
 The residual stream between blocks is replicated here; the ``sp`` step that may follow shards it
 along the sequence through the layout this step exports (``core.values.TPLayout``, capability
 ``tensor_parallel``).
@@ -229,11 +233,18 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
     # sequence through this value; the styles below read it at every call.
     layout = TPLayout(resolved.matched, resolved.head)
     tp_mesh = ctx.mesh(Axis.TP)
+    adapters = inputs.get("low_rank_adapters")  # LoRA's: laid out beside their base linear
     for fqn, style in resolved.matched.items():
         built = styles.torch_style(style, modules[fqn], layout=layout,
                                    head=fqn == resolved.head, loss_parallel=options.loss_parallel)
-        if built is not None:
+        if built is None:
+            continue
+        if adapters is None or not adapters.adapted(fqn):
             parallelize_module(modules[fqn], tp_mesh, built)
+            continue
+        with adapters.detached(modules[fqn]) as children:
+            parallelize_module(modules[fqn], tp_mesh, built)
+        styles.distribute_adapters(children, adapters, style, tp_mesh)
     _retie(model, tied)
     return Applied(model, values={"tensor_parallel": layout})
 
@@ -315,6 +326,7 @@ PLUGIN = Plugin(
     apply=_apply,
     loss_context=_loss_context,
     collectives=_collectives,
-    reads={"sequence_parallel"},  # only to count its collectives as sp lays them out
+    # sequence_parallel: only to count its collectives as sp lays them out
+    reads={"sequence_parallel", "low_rank_adapters"},
     doc="tensor parallelism: parallelize_module with the model's (or a user's) TP plan",
 )

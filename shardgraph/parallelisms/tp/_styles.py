@@ -155,6 +155,42 @@ def torch_style(
     raise KeyError(name)
 
 
+#: style -> the dim of the weight it shards (0: outputs, 1: inputs) for the adapters beside it
+_WEIGHT_DIM = {"colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "packed_colwise": 0,
+               "rowwise": 1, "rowwise_rep": 1}
+
+
+def distribute_adapters(children: dict[str, nn.Module], adapters, style: str,
+                        mesh: DeviceMesh) -> None:
+    """Lay out the adapters of a linear sharded by ``style`` (``core.values.LowRankAdapters``):
+    split where ``adapters.split`` says, replicated elsewhere. A fused ``[gate; up]`` output is
+    split as the base is, each rank keeping its slice of both halves."""
+    down, up = adapters.split(_WEIGHT_DIM.get(style))
+    for name, dim in ((adapters.down, down), (adapters.up, up)):
+        child = children[name]
+        if dim is None:
+            placement = Replicate()
+        elif style == "packed_colwise":
+            placement = _StridedShard(dim, split_factor=2)
+        else:
+            placement = Shard(dim)
+        for pname, param in list(child.named_parameters(recurse=False)):
+            dparam = nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                  requires_grad=param.requires_grad)
+            if dim is None and dparam.requires_grad:
+                # its gradient comes out Partial (a sum over the other factor's split dim):
+                # reduce it here, so that it is what it is in one process (fsdp2 would reduce
+                # it too, but nothing else reads a Partial gradient right)
+                dparam.register_hook(_replicated)
+            child.register_parameter(pname, dparam)
+
+
+def _replicated(grad):
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+    return grad
+
+
 class ResidualRowwise(RowwiseParallel):
     """Rowwise whose output goes to the residual stream: all-reduced, or reduce-scattered along
     the sequence under sp."""
