@@ -10,7 +10,9 @@ The reference is written with plain torch: the token-weighted mean cross-entropy
 batch, micro-batches accumulated, ``clip_grad_norm_``, ``AdamW.step``. Under fsdp2, hsdp, ddp,
 tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp), and ep x dp,
 and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile
-(aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, cp + selective, pp, ep + full):
+(aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, cp + selective, pp, ep + full),
+and a LoRA model (``lora`` on every linear but the LM head; its one-process reference is the
+same plan at world size 1, trained in plain torch) under fsdp2, tp x fsdp2, tp + sp, pp x dp, cp:
 per-step losses within 1e-5, the global gradient norm within 1e-5 relative, and the parameters
 after three steps within 1e-3, a tenth of the learning rate: AdamW divides by the root of tiny
 second moments, so an element whose gradient is at the level of reduction-order noise can move by
@@ -58,10 +60,21 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def lora() -> Graph:
+    return Graph().add("lora", rank=4, alpha=8.0, match_all_linear=True)
+
+
+def build(kind: str):
+    if kind == "lora":  # the adapters as lora draws them, in one process
+        plan = lora().compile(world_size=1)
+        return plan.apply(tiny_llama(layers=4), plan.build_mesh("cpu")).module
+    return tiny_llama(layers=4) if kind == "llama" else tiny_moe()
+
+
 @functools.cache
 def reference(kind: str, micro: int) -> dict:
     """Plain torch, one process: what every layout must reproduce."""
-    model = tiny_llama(layers=4) if kind == "llama" else tiny_moe()
+    model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
     losses, norms = [], []
     for b in batches():
@@ -79,7 +92,8 @@ def reference(kind: str, micro: int) -> dict:
         opt.zero_grad()
         losses.append(total)
     return {"losses": losses, "norms": norms,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
 
 
 LAYOUTS = {
@@ -121,6 +135,11 @@ LAYOUTS = {
                     .add("fsdp2"), 2),
     "ep2_ac_compile": ("moe", lambda: Graph().add("ep", size=2).add("activation_checkpointing")
                        .add("compile", **COMPILE).add("fsdp2"), 1),
+    "lora_fsdp2": ("lora", lambda: lora().add("fsdp2"), 1),
+    "lora_tp2_fsdp2": ("lora", lambda: lora().add("tp", size=2).add("fsdp2"), 2),
+    "lora_tp2_sp_fsdp2": ("lora", lambda: lora().add("tp", size=2).add("sp").add("fsdp2"), 2),
+    "lora_pp2_fsdp2": ("lora", lambda: lora().add("pp", size=2).add("fsdp2"), 2),
+    "lora_cp2_fsdp2": ("lora", lambda: lora().add("cp", size=2).add("fsdp2"), 2),
 }
 
 
@@ -128,7 +147,7 @@ def _run(name: str, world: int) -> dict:
     import torch.distributed as dist
 
     kind, graph, micro = LAYOUTS[name]
-    model = tiny_llama(layers=4) if kind == "llama" else tiny_moe()
+    model = tiny_moe() if kind == "moe" else tiny_llama(layers=4)
     plan = graph().compile(world_size=world)
     compiled = plan.step("compile") is not None
     if compiled:
@@ -149,13 +168,17 @@ def _run(name: str, world: int) -> dict:
             losses.append(out.loss)
             norms.append(out.grad_norm)
     params = {n.removeprefix("module."): full(p) for n, p in parallel.named_parameters()}
+    trainable = sorted(n.removeprefix("module.") for n, p in parallel.named_parameters()
+                       if p.requires_grad)
     if plan.layout.pp > 1:  # each pipeline rank holds its stages' parameters
         parts: list = [None] * world
-        dist.all_gather_object(parts, params)
-        params = {k: v for part in parts for k, v in part.items()}
+        dist.all_gather_object(parts, (params, trainable))
+        params = {k: v for part, _ in parts for k, v in part.items()}
+        trainable = sorted({n for _, names in parts for n in names})
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     return {"losses": losses, "norms": norms, "params": params, "graphs": graphs,
-            "warnings": sorted({str(w.message)[:80] for w in caught})}
+            "warnings": sorted({str(w.message)[:80] for w in caught}), "trainable": trainable,
+            "optimizer_state": len(opt.state)}
 
 
 def _all(rank: int, world: int, names: list[str]) -> dict:
@@ -185,3 +208,18 @@ def test_losses_norms_and_parameters_match_one_process(world4, name):
     # graph breaks: ep's expert dispatch runs eagerly), and only those
     assert (got["graphs"] > 0) == ("compile" in name)
     assert got["graphs"] <= 4, got["graphs"]
+
+
+def test_lora_trains_the_adapters_only(world4):
+    """The base is frozen under every layout: only the adapters are trainable and hold
+    optimizer state, and the base weights end where they started."""
+    ref = reference("lora", 1)
+    assert ref["trainable"] and all(".lora_" in n for n in ref["trainable"])
+    start = build("lora").state_dict()
+    for name in (n for n in LAYOUTS if n.startswith("lora_")):
+        got = world4[name]
+        assert got["trainable"] == ref["trainable"], name
+        if "pp" not in name:  # (a pipeline rank holds its stages' adapters only)
+            assert got["optimizer_state"] == len(ref["trainable"]), name
+        frozen = [n for n in got["params"] if ".lora_" not in n]
+        assert max((got["params"][n] - start[n]).abs().max().item() for n in frozen) == 0, name

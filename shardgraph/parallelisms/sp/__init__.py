@@ -106,8 +106,6 @@ def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[
 
 def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]:
     """What keeps the residual stream sequence-sharded around the modules tp sharded."""
-    from torch.distributed.tensor.parallel import SequenceParallel
-
     planned = tp.split()
     out: dict[str, ParallelStyle] = {}
     for fqn, block in find_blocks(model):
@@ -116,7 +114,7 @@ def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]
             if path in tp.matched:
                 continue
             if is_norm(child):
-                out[path] = SequenceParallel(use_local_output=True)
+                out[path] = styles.KeepFrozenSequenceParallel(use_local_output=True)
             elif any(p.startswith(path + ".") for p in planned):
                 out[path] = styles.GatherSequence()  # its rowwise projection reduce-scatters
             elif any(True for _ in child.parameters()):
@@ -127,7 +125,7 @@ def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]
     for name, child in decoder.named_children():
         path = f"{names[decoder]}.{name}".lstrip(".")
         if is_norm(child) and path not in tp.matched:
-            out[path] = SequenceParallel(use_local_output=True)
+            out[path] = styles.KeepFrozenSequenceParallel(use_local_output=True)
     embed = input_embeddings(model)
     if embed is not None and names[embed] not in planned:
         out[names[embed]] = styles.ScatterSequence()

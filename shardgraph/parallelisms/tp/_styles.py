@@ -147,7 +147,7 @@ def torch_style(
     if name == "packed_colwise":
         return PackedColwiseParallel()
     if name == "sequence_parallel":
-        return SequenceParallel(use_local_output=True)
+        return KeepFrozenSequenceParallel(use_local_output=True)
     if name == "replicated_with_grad_allreduce":
         return ReplicatedWithGradAllReduce()
     if name == "replicate":
@@ -189,6 +189,19 @@ def _replicated(grad):
     if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
         return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
     return grad
+
+
+class KeepFrozenSequenceParallel(SequenceParallel):
+    """``SequenceParallel`` that keeps each parameter's ``requires_grad``: torch's replicates a
+    norm's weight into a new, trainable ``nn.Parameter``, which would train the frozen norms of
+    a LoRA model."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh):
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+        super()._replicate_module_fn(name, module, device_mesh)
+        for n, p in module.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
 
 
 class ResidualRowwise(RowwiseParallel):
