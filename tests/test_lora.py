@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardgraph import Graph, PlanError
-from shardgraph.weights import meta_params, seeded_init
+from shardgraph.weights import hf_load, meta_params, seeded_init
 from tests.models import batch, tiny_llama
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
@@ -89,15 +89,28 @@ def test_base_keeps_its_names_and_only_the_adapters_train():
     assert torch.equal(model(input_ids=tokens).logits, tiny_llama()(input_ids=tokens).logits)
 
 
-def test_a_meta_model_gets_the_same_adapters_from_seeded_init():
-    whole = _apply(Graph().add("lora", target_modules=TARGETS, seed=3))
-    with meta_params():
-        meta = tiny_llama()
-    meta = _apply(Graph().add("lora", target_modules=TARGETS, seed=3), meta,
-                  init=seeded_init(3, meta._init_weights))
-    for (n, a), (_, b) in zip(whole.named_parameters(), meta.named_parameters()):
+def test_a_meta_model_gets_the_same_adapters_from_seeded_init_and_hf_load(tmp_path):
+    """Adapters depend on lora's seed and their FQN only: drawn by lora's step on a whole
+    model, by seeded_init (whatever its own seed) or by hf_load (which loads the base) on a
+    meta-built one."""
+    graph = Graph().add("lora", target_modules=TARGETS, seed=3)
+    base = tiny_llama(seed=5)
+    base.save_pretrained(tmp_path)
+    whole = _apply(graph, copy.deepcopy(base))
+    built = []
+    for init in (lambda m: seeded_init(99, m._init_weights), lambda m: hf_load(tmp_path)):
+        with meta_params():
+            meta = tiny_llama()
+        built.append(_apply(graph, meta, init=init(meta)))
+    other = _apply(Graph().add("lora", target_modules=TARGETS, seed=4))
+    for n, a in whole.named_parameters():
+        b = dict(built[0].named_parameters())[n]
+        c = dict(built[1].named_parameters())[n]
+        assert torch.equal(a, c), n  # the base from the checkpoint, the adapters drawn
         if ".lora_" in n:
             assert torch.equal(a, b), n
+            if "lora_A" in n:
+                assert not torch.equal(a, dict(other.named_parameters())[n]), n
     a = dict(whole.named_parameters())["model.layers.0.self_attn.q_proj.lora_A.weight"]
     assert a.abs().max() > 0 and a.abs().max() <= 1 / 64 ** 0.5  # kaiming-uniform, fan_in 64
 
@@ -129,3 +142,64 @@ def test_forward_and_training_equal_peft():
     worst = max((p - ref[f"base_model.model.{n.replace('.weight', '.default.weight')}"])
                 .abs().max().item() for n, p in ours.named_parameters() if ".lora_" in n)
     assert worst < 1e-6, worst
+
+
+def test_the_peft_table_is_lora_with_nemo_keys():
+    from shardgraph import loads_toml
+
+    text = """
+[distributed]
+strategy = "fsdp2"
+tp_size = 2
+[peft]
+dim = 4
+alpha = 16
+dropout = 0.05
+target_modules = ["*.q_proj", "v_proj"]
+exclude_modules = "model.layers.0.*"
+"""
+    plan = loads_toml(text).compile(world_size=4)
+    same = (Graph().add("fsdp2").add("tp", size=2)
+            .add("lora", rank=4, alpha=16.0, dropout=0.05, target_modules=["*.q_proj", "v_proj"],
+                 exclude_modules="model.layers.0.*").compile(world_size=4))
+    assert plan.to_dict() == same.to_dict()
+    assert [s.plugin for s in plan.steps] == ["lora", "tp", "fsdp2"]
+    with pytest.raises(PlanError) as info:
+        loads_toml("[distributed]\n[peft]\nrank = 4\n").compile(world_size=2)
+    assert info.value.key == "peft.rank" and "'dim'" in str(info.value)
+    with pytest.raises(PlanError) as info:
+        loads_toml("[distributed]\n[peft]\ndim = 0\nmatch_all_linear = true\n").compile(
+            world_size=2)
+    assert info.value.key == "peft.dim"
+
+
+def test_export_peft_needs_a_plan_with_adapters():
+    from shardgraph.train import loads_pipeline
+    from shardgraph.train.loop import compile_for
+
+    text = '[plugins.fsdp2]\n[checkpoint]\nexport_peft = "adapter"\n'
+    with pytest.raises(PlanError) as info:
+        compile_for(loads_pipeline(text), 2)
+    assert info.value.key == "checkpoint.export_peft" and "lora" in str(info.value)
+    compile_for(loads_pipeline(text + "[plugins.lora]\nmatch_all_linear = true\n"), 2)
+
+
+def test_composes_with_activation_checkpointing_and_mixed_precision():
+    """One process: adapters under checkpointed blocks and bf16 compute still get gradients,
+    the base none, and the loss is the fp32 one within bf16's error."""
+    tokens = batch()
+    exact = _apply(Graph().add("lora", target_modules=TARGETS))
+    model = _apply(Graph().add("lora", target_modules=TARGETS).add("activation_checkpointing")
+                   .add("mixed_precision", output_dtype="fp32"))
+    with torch.no_grad():
+        for a, b in zip(exact.parameters(), model.parameters()):
+            if a.requires_grad:
+                torch.manual_seed(0)
+                a.normal_(std=0.1)
+                b.copy_(a)
+    ref = exact(input_ids=tokens, labels=tokens).loss
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    assert abs(loss.item() - ref.item()) < 2e-2
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all((g is not None) == (".lora_" in n) for n, g in grads.items())

@@ -193,9 +193,16 @@ class LowRankAdapters:
     """
 
     modules: frozenset[str] = attrs.field(converter=frozenset)  # base linear FQNs
+    rank: int = 8
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0
     down: str = "lora_A"
     up: str = "lora_B"
     extra: tuple[str, ...] = ("lora_dropout",)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
 
     def adapted(self, fqn: str) -> bool:
         return fqn in self.modules

@@ -1,7 +1,8 @@
 """The two TOML forms of a pipeline, read into the same Graph.
 
 Graph form: one ``[plugins.<name>]`` table per plugin. ``[distributed]`` form: NeMo AutoModel's
-``distributed:`` keys. Both may carry ``[mesh]``, ``[packed_sequence]`` and ``[step_scheduler]``.
+``distributed:`` keys. Both may carry ``[mesh]``, ``[packed_sequence]``, ``[step_scheduler]``
+and ``[peft]`` (NeMo's ``peft:`` keys: LoRA, the ``lora`` plugin).
 TOML only names registered plugins; it never names code to import.
 """
 
@@ -32,7 +33,7 @@ else:  # pragma: no cover
 TRAINING_SECTIONS = ("model", "data", "train", "checkpoint")
 #: Read by ``shardgraph estimate`` / ``plan --auto`` (the GPU and its figures).
 PLANNER_SECTIONS = ("cluster",)
-SECTIONS = ("plugins", "distributed", "mesh", "packed_sequence", "step_scheduler",
+SECTIONS = ("plugins", "distributed", "peft", "mesh", "packed_sequence", "step_scheduler",
             *TRAINING_SECTIONS, *PLANNER_SECTIONS)
 MESH_KEYS = ("world_size", "gpus_per_node")
 
@@ -60,6 +61,11 @@ PIPELINE_KEYS = {
 }
 DISTRIBUTED_KEYS = ("strategy", "dp_size", *SIZE_KEYS, *SWITCHES, "pipeline", "moe",
                     "mixed_precision")
+#: [peft] (NeMo AutoModel's ``peft:`` section) keys -> options of the plugin it names
+PEFT_PLUGIN = "lora"
+PEFT_KEYS = {"dim": "rank", "alpha": "alpha", "dropout": "dropout",
+             "target_modules": "target_modules", "exclude_modules": "exclude_modules",
+             "match_all_linear": "match_all_linear"}
 #: NeMo AutoModel's other spellings of a strategy -> the registered plugin
 STRATEGY_ALIASES = {"megatron-fsdp": "megatron_fsdp", "mfsdp": "megatron_fsdp"}
 
@@ -126,10 +132,29 @@ def graph_from_dict(data: Mapping[str, Any], *, strict: bool = True,
                 bad.append(Violation("type", (f"plugins.{name}",),
                                      f"plugins.{name} must be a table, got {options!r}",
                                      hint=f"write [plugins.{name}] with its options below"))
+    if "peft" in data:
+        _peft(graph, _table(data, "peft", bad), bad)
     if bad and strict:
         raise PlanError(bad)
     graph.problems.extend(bad)
     return graph
+
+
+def _peft(graph: Graph, table: dict[str, Any], bad: list[Violation]) -> None:
+    """``[peft]``: LoRA with NeMo AutoModel's key names (``dim`` is the rank)."""
+    options, origins = {}, {}
+    for key, value in table.items():
+        if key not in PEFT_KEYS:
+            nemo = next((k for k, v in PEFT_KEYS.items() if v == key), None)
+            close = f" ([peft] calls it {nemo!r}, as NeMo AutoModel does)" if nemo else \
+                did_you_mean(key, list(PEFT_KEYS))
+            bad.append(Violation("unknown-key", (f"peft.{key}",),
+                                 f"[peft] has no key {key!r}{close}",
+                                 hint=f"valid keys: {', '.join(PEFT_KEYS)}"))
+            continue
+        options[PEFT_KEYS[key]] = value
+        origins[PEFT_KEYS[key]] = f"peft.{key}"
+    graph.entries.append(Entry(PEFT_PLUGIN, options, path="peft", origins=origins))
 
 
 def _table(data: Mapping[str, Any], key: str, bad: list[Violation], where: str = "") -> dict:

@@ -10,6 +10,8 @@ Every rank writes its shards into the ``.tmp`` directory; once all have finished
 ``meta.json`` and renames the directory. A rename is atomic on one file system, so a crash at
 any moment leaves the previous checkpoint untouched and loadable. Shards are saved as DTensors
 with their global shapes, so a checkpoint written under one plan loads under any other.
+Frozen parameters are left out (a LoRA model's base comes from ``[model]``, as it did at the
+start): a LoRA checkpoint holds the adapters and their optimizer state only.
 
 ``meta.json`` is the manifest: it lists every file of the checkpoint with its size and xxh3 hash,
 each rank checksumming the files it wrote; a resume checks them again (each rank a share, in
@@ -27,6 +29,7 @@ the newest steps, and a damaged file deserves a person's look.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -67,6 +70,14 @@ _CHUNK = 8 * 2**20
 _WRITER = re.compile(r"__(\d+)_")
 #: settings that may change on resume (a schedule tweak): announced, not refused
 ADJUSTABLE = ("train.lr", "train.weight_decay", "train.grad_clip")
+
+
+#: Frozen parameters (a LoRA model's base) are not saved: they come from ``[model]`` as at the
+#: start, and a checkpoint holds what training changed (the adapters and their optimizer state).
+_TRAINED = StateDictOptions(ignore_frozen_params=True)
+#: loading them leaves the frozen ones out on purpose (dcp.load already required every key the
+#: model's trainable state asks for)
+_INTO = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 class SaveFailed(PlanError):
@@ -390,7 +401,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     problem = _agree(problem)
     if problem is None:
         try:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         except (Exception, CheckpointException) as exc:
             problem = _root_cause(exc)
@@ -468,10 +479,10 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     every file is verified against the manifest (a collective)."""
     verify(path)
     if optimizer is None:
-        model_sd = get_model_state_dict(model)
+        model_sd = get_model_state_dict(model, options=_TRAINED)
         state = {"model": model_sd}
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED)
         state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -482,10 +493,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
             f"damaged or does not fit this model and optimizer: {_root_cause(exc)}",
             hint=_instead(path))], subject="[checkpoint]") from None
     if optimizer is None:
-        set_state_dict(model, (), model_state_dict=state["model"], optim_state_dict={})
+        set_state_dict(model, (), model_state_dict=state["model"], optim_state_dict={},
+                       options=_INTO)
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=_INTO)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -503,3 +515,26 @@ def export_hf(model: nn.Module, model_spec, out: Path) -> Path:
 
     return save_hf(model, out, config=hf_config(model_spec),
                    all_tensors=tensor_specs(meta_model(model_spec)), source_dir=model_spec.path)
+
+
+#: the capability whose value (``core.values.LowRankAdapters``) names a model's adapters
+ADAPTERS = "low_rank_adapters"
+
+
+def export(parallel, model_spec, config) -> list[Path]:
+    """The exports ``[checkpoint]`` asks for (``config``: its ``export_hf``, ``export_peft``)
+    of a ``ParallelModel``; collectives. Adapters (``low_rank_adapters``) are merged into the
+    base weights of the HF export and written alone, as peft writes them, to ``export_peft``."""
+    from ..weights import merged, save_peft
+
+    adapters = parallel.values.get(ADAPTERS)
+    done = []
+    if config.export_hf:
+        scope = merged(parallel.module, adapters) if adapters is not None else \
+            contextlib.nullcontext()
+        with scope:
+            done.append(export_hf(parallel.module, model_spec, Path(config.export_hf)))
+    if config.export_peft and adapters is not None:
+        done.append(save_peft(parallel.module, Path(config.export_peft), adapters,
+                              base=model_spec.path))
+    return done

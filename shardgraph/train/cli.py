@@ -390,12 +390,16 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
                    help="processes to shard the export over, each loading and writing only its "
                    "share under the pipeline's plan (default: [mesh] world_size, else the GPUs, "
                    "else 1)")
+    p.add_argument("--peft", default=None, metavar="DIR",
+                   help="for a LoRA plan, where the peft adapter directory goes (default: "
+                   "<out>-adapter); out gets the model with the adapters merged")
 
 
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
 
     pipeline = load_pipeline(args.file)
+    peft = Path(args.peft) if args.peft else None
     if _under_torchrun():
         import torch.distributed as dist
 
@@ -403,12 +407,13 @@ def run_export(args: argparse.Namespace) -> int:
 
         dist.init_process_group("nccl" if device_type() == "cuda" else "gloo")
         try:
-            out = export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out))
+            out = export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out), peft)
             dist.barrier()
         finally:
             dist.destroy_process_group()
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"exported {out}")
+            for path in out:
+                print(f"exported {path}")
         return 0
     nproc = _nproc(args, pipeline)
     graph = pipeline.graph
@@ -416,8 +421,8 @@ def run_export(args: argparse.Namespace) -> int:
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": "--nproc"})
     graph.compile(world_size=nproc)  # before anything is loaded or launched
     if nproc == 1:
-        out = export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out))
-        print(f"exported {out}")
+        for path in export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out), peft):
+            print(f"exported {path}")
         return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -426,7 +431,8 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m",
                         "shardgraph.train", "export", str(Path(args.file).resolve()),
-                        str(Path(args.checkpoint).resolve()), str(Path(args.out).resolve())]))
+                        str(Path(args.checkpoint).resolve()), str(Path(args.out).resolve()),
+                        *(["--peft", str(peft.resolve())] if peft else [])]))
     except ChildFailedError as exc:
         return _report_failure(exc.failures)
     return 0

@@ -75,8 +75,11 @@ class CheckpointConfig:
     #: "auto": resume from the newest complete checkpoint in ``dir`` if any; "never";
     #: or the path of one checkpoint, which must exist
     resume: str = "auto"
-    #: write a consolidated HF safetensors directory here at the end of training
+    #: write a consolidated HF safetensors directory here at the end of training (a LoRA
+    #: model's adapters merged into its weights)
     export_hf: str | None = None
+    #: write a LoRA model's adapters here at the end of training, as a peft adapter directory
+    export_peft: str | None = None
 
 
 @attrs.frozen

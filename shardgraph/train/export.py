@@ -8,16 +8,31 @@ from pathlib import Path
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .config import Pipeline
-from .model import fingerprint, meta_model
+from .config import CheckpointConfig, Pipeline
+from .model import fingerprint, meta_model, weights
 
 
-def export_checkpoint(pipeline: Pipeline, path: Path, out: Path) -> Path:
+def export_checkpoint(pipeline: Pipeline, path: Path, out: Path,
+                      peft_out: Path | None = None) -> list[Path]:
+    """``out``: the HF directory (a LoRA model's adapters merged in); ``peft_out``: a LoRA
+    model's adapters as a peft adapter directory (default: ``<out>-adapter`` when the plan
+    adds adapters)."""
     meta = ckpt.read_meta(path, key="checkpoint")
     ckpt.check_compatible(meta, fingerprint(pipeline.model), path)
     world = dist.get_world_size() if dist.is_initialized() else 1
     # A DCP checkpoint loads under any plan: the pipeline's own, at this world size.
     plan = pipeline.graph.compile(world_size=world)
-    parallel = plan.apply(meta_model(pipeline.model), plan.build_mesh("cpu"),
-                          init=lambda m: ckpt.load(path, m, None))
-    return ckpt.export_hf(parallel.module, pipeline.model, out)
+    model = meta_model(pipeline.model)
+    base = weights(pipeline.model, pipeline.train.seed, model)
+
+    def init(m) -> None:
+        if any(not p.requires_grad for p in m.parameters()):
+            base(m)  # frozen parameters (a LoRA base) are not in the checkpoint: [model]'s
+        ckpt.load(path, m, None)
+
+    parallel = plan.apply(model, plan.build_mesh("cpu"), init=init)
+    if ckpt.ADAPTERS in parallel.values and peft_out is None:
+        peft_out = out.with_name(out.name + "-adapter")
+    config = CheckpointConfig(export_hf=str(out),
+                              export_peft=str(peft_out) if peft_out is not None else None)
+    return ckpt.export(parallel, pipeline.model, config)

@@ -60,6 +60,13 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
             f"the local batch of {train.global_batch_size // dp} sequences is not a multiple "
             f"of micro_batch_size = {train.micro_batch_size}",
             hint="choose a micro_batch_size that divides global_batch_size / dp"))
+    if pipeline.checkpoint.export_peft and not any(
+            ckpt.ADAPTERS in plan.registry.get(s.plugin).provides for s in plan.steps):
+        bad.append(Violation(
+            "checkpoint", ("checkpoint.export_peft",),
+            f"checkpoint.export_peft is set but no step of the plan adds adapters "
+            f"(provides {ckpt.ADAPTERS!r})", hint="add [plugins.lora] (or a [peft] table), or "
+            "remove export_peft (export_hf writes the whole model)"))
     if bad:
         raise PlanError(bad)
     return plan
@@ -227,8 +234,7 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
                 report.info(f"warning: {exc}")
             else:
                 report.info(f"saved {path}")
-    if pipeline.checkpoint.export_hf:
-        out = ckpt.export_hf(parallel.module, pipeline.model, Path(pipeline.checkpoint.export_hf))
+    for out in ckpt.export(parallel, pipeline.model, pipeline.checkpoint):
         report.info(f"exported {out}")
     report.close()
     return {"rows": rows, "model": parallel, "optimizer": optimizer, "plan": plan, "ctx": ctx}

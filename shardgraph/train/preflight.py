@@ -191,19 +191,23 @@ def checkpoint_dir(pipeline: Pipeline, model_bytes: int | None) -> list[Violatio
 
 
 def _export_dir(pipeline: Pipeline) -> list[Violation]:
-    """``export_hf`` is written at the very end: refuse now what would refuse it then."""
-    out = pipeline.checkpoint.export_hf
-    if out is None:
-        return []
-    path = Path(out)
-    if path.is_dir() and any(path.iterdir()):
-        return [Violation("checkpoint", ("checkpoint.export_hf",),
-                          f"{out} exists and is not empty: the export at the end would fail",
-                          hint=f"move {out} away (a run that resumes exports again at its "
-                          "end), or set another export_hf")]
-    _, problem = _writable_ancestor(path)
-    if problem is not None:
-        return [Violation("checkpoint", ("checkpoint.export_hf",),
-                          f"the export cannot be written to {out}: {problem}",
-                          hint="choose a writable directory")]
-    return []
+    """``export_hf`` and ``export_peft`` are written at the very end: refuse now what would
+    refuse them then."""
+    bad = []
+    for key in ("export_hf", "export_peft"):
+        out = getattr(pipeline.checkpoint, key)
+        if out is None:
+            continue
+        path = Path(out)
+        if path.is_dir() and any(path.iterdir()):
+            bad.append(Violation("checkpoint", (f"checkpoint.{key}",),
+                                 f"{out} exists and is not empty: the export at the end would "
+                                 "fail", hint=f"move {out} away (a run that resumes exports again "
+                                 f"at its end), or set another {key}"))
+            continue
+        _, problem = _writable_ancestor(path)
+        if problem is not None:
+            bad.append(Violation("checkpoint", (f"checkpoint.{key}",),
+                                 f"the export cannot be written to {out}: {problem}",
+                                 hint="choose a writable directory"))
+    return bad

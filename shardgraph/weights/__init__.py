@@ -20,9 +20,10 @@ from ._init import (
     on_meta,
     seeded_init,
 )
+from ._peft import merged, save_peft
 
 __all__ = [
     "canonical_name", "check_checkpoint", "default_init_fn", "hf_load", "local_part",
-    "materialize", "meta_params", "on_meta", "read_headers", "save_hf", "seeded_init",
-    "tensor_specs",
+    "materialize", "merged", "meta_params", "on_meta", "read_headers", "save_hf", "save_peft",
+    "seeded_init", "tensor_specs",
 ]

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.errors import PlanError, Violation
+from ._init import draw_own, own_init_names
 
 INDEX = "model.safetensors.index.json"
 #: Files of an HF model directory that are not weights and travel with an export (tokenizer,
@@ -140,7 +141,10 @@ def hf_load(path: str | Path) -> Callable[[nn.Module], None]:
             set_model_state_dict,
         )
 
-        state = _distinct(get_model_state_dict(model))
+        # modules a plugin added that draw themselves (LoRA's adapters) are not in the
+        # checkpoint of the model they were added to
+        own = own_init_names(model)
+        state = {n: t for n, t in _distinct(get_model_state_dict(model)).items() if n not in own}
         bad = check_checkpoint({n: tuple(t.shape) for n, t in state.items()}, path)
         if bad:
             raise PlanError(bad)
@@ -148,6 +152,8 @@ def hf_load(path: str | Path) -> Callable[[nn.Module], None]:
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
             dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
         set_model_state_dict(model, state, options=_strict_false())
+        if own:
+            draw_own(model)
 
     return fill
 

@@ -130,7 +130,7 @@ def seeded_init(seed: int, init_fn: InitFn) -> Callable[[nn.Module], None]:
             full = _full_size_copy(module, params)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_derived_seed(seed, canonical_name(name)))
-                if getattr(type(module), "shardgraph_own_init", False):
+                if _owns_init(module):
                     full.reset_parameters()  # a module a plugin added (LoRA's adapters)
                 else:
                     init_fn(full)
@@ -138,6 +138,31 @@ def seeded_init(seed: int, init_fn: InitFn) -> Callable[[nn.Module], None]:
                 _local(p).copy_(local_part(full._parameters[n].detach(), p))
 
     return fill
+
+
+def _owns_init(module: nn.Module) -> bool:
+    return bool(getattr(type(module), "shardgraph_own_init", False))
+
+
+def own_init_names(model: nn.Module) -> set[str]:
+    """Canonical names of the parameters of modules that draw themselves (module docstring):
+    a checkpoint of the model they were added to does not hold them."""
+    return {f"{canonical_name(name)}.{n}".lstrip(".") for name, module in _named_modules(model)
+            if _owns_init(module) for n, p in module._parameters.items() if p is not None}
+
+
+def draw_own(model: nn.Module) -> None:
+    """Fill only the modules that draw themselves (their ``reset_parameters``), each rank its
+    share of the full draw."""
+    with torch.no_grad():
+        for _, module in _named_modules(model):
+            if not _owns_init(module):
+                continue
+            params = {n: p for n, p in module._parameters.items() if p is not None}
+            full = _full_size_copy(module, params)
+            full.reset_parameters()
+            for n, p in params.items():
+                _local(p).copy_(local_part(full._parameters[n].detach(), p))
 
 
 def _full_size_copy(module: nn.Module, params: dict[str, torch.Tensor]) -> nn.Module:

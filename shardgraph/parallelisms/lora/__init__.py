@@ -12,9 +12,10 @@ with a dot matches the whole FQN); ``match_all_linear`` takes every ``nn.Linear`
 LM head (as peft's ``"all-linear"``); ``exclude_modules`` removes matches, written the same way.
 An entry that matches nothing is an error, as is a target that is not an ``nn.Linear``.
 
-The adapters are drawn when the step runs, before any step shards, from a seed per FQN
-(``seed``): every layout starts from the same adapters, and ``weights.seeded_init`` draws the
-same ones on a model built on ``meta``. The step runs before every step that lays weights out
+The adapters are drawn from a seed per FQN (``seed``): by this step on a model with storage
+(before any step shards), or by the weights layer on a model built on ``meta`` (``seeded_init``
+and ``hf_load``, which loads only the base from the checkpoint): every layout and every way of
+building the model starts from the same adapters. The step runs before every step that lays weights out
 (tp, pp, cp, ep, activation checkpointing, the strategy), and exports the adapted modules
 (``core.values.LowRankAdapters``, capability ``low_rank_adapters``) for those that must lay the
 adapters out beside their base (tp).
@@ -187,10 +188,10 @@ def _apply(model: nn.Module, options: LoRAOptions, ctx: MeshContext, inputs: dic
         p.requires_grad_(False)
     modules = dict(model.named_modules())
     for fqn in fqns:
-        lora = layer.adapt(modules[fqn], rank=options.rank, alpha=options.alpha,
-                           dropout=options.dropout)
-        layer.draw(lora, fqn, options.seed)
-    return Applied(model, values={"low_rank_adapters": LowRankAdapters(fqns)})
+        layer.adapt(modules[fqn], fqn, rank=options.rank, alpha=options.alpha,
+                    dropout=options.dropout, seed=options.seed)
+    value = LowRankAdapters(fqns, rank=options.rank, alpha=options.alpha, dropout=options.dropout)
+    return Applied(model, values={"low_rank_adapters": value})
 
 
 PLUGIN = Plugin(

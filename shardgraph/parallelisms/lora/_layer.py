@@ -20,22 +20,39 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-class LoRADown(nn.Linear):
-    """``lora_A``: drawn as peft draws it (kaiming-uniform, ``a = sqrt(5)``, nn.Linear's own)."""
+class _Adapter(nn.Linear):
+    """An adapter factor drawn from its own seed (set by :func:`adapt` from lora's ``seed``
+    and its FQN): the same values whoever draws it (lora's step on a model with storage,
+    ``weights.seeded_init`` or ``hf_load`` on a meta-built one), on every layout."""
 
-    shardgraph_own_init = True  # seeded_init calls reset_parameters, not the model's init
+    shardgraph_own_init = True  # the weights layer calls reset_parameters, not the model's init
+    init_seed: int | None = None
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.init_seed is None:  # inside nn.Linear.__init__: adapt() draws once seeded
+            return
+        g = torch.Generator().manual_seed(self.init_seed)
+        full = torch.empty(self.weight.shape, dtype=self.weight.dtype)  # CPU: device-free
+        self._draw(full, g)
+        with torch.no_grad():
+            self.weight.copy_(full)
+
+    def _draw(self, weight: torch.Tensor, g: torch.Generator) -> None:
+        raise NotImplementedError
 
 
-class LoRAUp(nn.Linear):
+class LoRADown(_Adapter):
+    """``lora_A``: kaiming-uniform with ``a = sqrt(5)``, as peft draws it."""
+
+    def _draw(self, weight: torch.Tensor, g: torch.Generator) -> None:
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=g)
+
+
+class LoRAUp(_Adapter):
     """``lora_B``: zeros, so that step 0 computes the base model."""
 
-    shardgraph_own_init = True
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.weight)
+    def _draw(self, weight: torch.Tensor, g: torch.Generator) -> None:
+        nn.init.zeros_(weight)
 
 
 class LoRALinear(nn.Linear):
@@ -48,36 +65,26 @@ class LoRALinear(nn.Linear):
         return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
-def adapt(module: nn.Linear, *, rank: int, alpha: float, dropout: float) -> LoRALinear:
-    """Turn ``module`` into a :class:`LoRALinear` in place (same object, same parameters),
-    with adapters on the base weight's device and dtype (``meta`` stays ``meta``)."""
+def adapt(module: nn.Linear, fqn: str, *, rank: int, alpha: float, dropout: float,
+          seed: int) -> LoRALinear:
+    """Turn ``module`` (at ``fqn``) into a :class:`LoRALinear` in place (same object, same
+    parameters), with adapters on the base weight's device and dtype, drawn unless on ``meta``
+    (a meta model's are drawn when the weights layer fills it)."""
     w = module.weight
     module.__class__ = LoRALinear
     module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     module.lora_A = LoRADown(module.in_features, rank, bias=False, device=w.device, dtype=w.dtype)
     module.lora_B = LoRAUp(rank, module.out_features, bias=False, device=w.device, dtype=w.dtype)
     module.scaling = alpha / rank
+    for name in ("lora_A", "lora_B"):
+        child = getattr(module, name)
+        child.init_seed = derived_seed(seed, f"{fqn}.{name}")
+        if not child.weight.is_meta:
+            child.reset_parameters()
     return module
 
 
 def derived_seed(seed: int, name: str) -> int:
-    """The seed of module ``name`` under ``seed``: the formula of ``weights.seeded_init``, so
-    adapters drawn here equal those a seeded materialisation draws (a test pins it)."""
+    """A 63-bit seed for ``name`` under ``seed``."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-@torch.no_grad()
-def draw(module: LoRALinear, fqn: str, seed: int) -> None:
-    """Draw both adapters of the LoRA linear at ``fqn`` from per-FQN seeds (plan-invariant:
-    lora runs before any step shards, on the whole adapters)."""
-    for name in ("lora_A", "lora_B"):
-        child = getattr(module, name)
-        if child.weight.is_meta:
-            continue  # a meta model is filled by materialize's seeded_init
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derived_seed(seed, f"{fqn}.{name}"))
-            # the constructor draws with reset_parameters, on the CPU whatever the device
-            full = type(child)(child.in_features, child.out_features, bias=False,
-                               dtype=child.weight.dtype)
-        child.weight.copy_(full.weight)
