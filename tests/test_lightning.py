@@ -29,13 +29,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 lightning = pytest.importorskip(
     "lightning", reason="needs the lightning extra: pip install -e '.[lightning]'")
 
-from shardgraph import PlanError  # noqa: E402
+from shardgraph import Graph, PlanError  # noqa: E402
 from shardgraph import load_toml  # noqa: E402
 from shardgraph.lightning import ShardgraphStrategy, setup_distributed  # noqa: E402
 from tests import _dist  # noqa: E402
 from tests.models import VOCAB, full, tiny_llama  # noqa: E402
 
 GLOBAL_BATCH, SEQ, FRAMES, HIDDEN, SAMPLES, LR = 4, 8, 3, 64, 8, 0.1
+LORA = dict(rank=4, alpha=8.0, match_all_linear=True)  # peft_config dim=4, alpha=8 below
 
 
 def tiny_moe():
@@ -115,7 +116,7 @@ MODELS = {"llama": lambda: tiny_llama(layers=2), "moe": tiny_moe}
 class LitModel(lightning.LightningModule):
     def __init__(self, model: str = "llama", composite: bool = False, frozen: bool = False,
                  sampler_replicas: int | None = None, lightning_sampler: bool = False,
-                 iterable: bool = False):
+                 iterable: bool = False, lora: bool = False):
         super().__init__()
         self.composite, self.sampler_replicas = composite, sampler_replicas
         if composite:
@@ -125,6 +126,9 @@ class LitModel(lightning.LightningModule):
                 self.encoder.norm.requires_grad_(False)
         else:
             self.model = MODELS[model]()
+            if lora:  # the one-device reference of a peft_config run: the same adapters
+                plan = Graph().add("lora", **LORA).compile(world_size=1)
+                self.model = plan.apply(self.model, plan.build_mesh("cpu")).module
             self.model.model.layers[0].self_attn.q_proj.register_forward_hook(
                 lambda mod, args, out: self.compute_dtypes.append(out.dtype))
         self.losses: list[torch.Tensor] = []
@@ -207,6 +211,8 @@ SCENARIOS = {
                   dict(composite=True, frozen=True), dict()),
     "composite_ddp": (dict(dp_strategy="ddp"), dict(composite=True, frozen=True), dict()),
     "tp_fsdp2": (dict(tp_size=2), dict(), dict()),
+    "lora_tp_fsdp2": (dict(tp_size=2, peft_config=dict(dim=4, alpha=8.0, match_all_linear=True)),
+                      dict(), dict()),
     "composite_tp": (dict(tp_size=2, activation_checkpointing_perception=["layers.1"]),
                      dict(composite=True), dict()),
     "tp_sp_fsdp2_ac": (dict(tp_size=2, sequence_parallel=True, activation_checkpointing_llm=True),
@@ -258,6 +264,7 @@ def _scenario(name: str, rank: int, world_size: int, steps: int = 3, **extra) ->
     params = {n.replace("module.", ""): p for n, p in lit.named_parameters()}  # ddp's prefix
     out["frozen_unchanged"] = all(torch.equal(full(params[n]), p) for n, p in before.items())
     out["frozen"] = sorted(before)
+    out["trainable"] = sorted(n for n, p in params.items() if p.requires_grad)
     out["checkpointed"] = [n for n, m in lit.named_modules()
                            if "checkpoint" in (_get_registry(m) or {})]
     out["mesh"] = lit.device_mesh.mesh_dim_names
@@ -286,8 +293,9 @@ def groups(tmp_path_factory):
                                       "fsdp2_bf16_true", "ddp_accumulate", "ep_dp",
                                       "composite", "composite_ddp", "precision_conflict"], ckpt,
                        timeout=300)
-    world4 = _dist.run(run_group, 4, ["tp_fsdp2", "tp_sp_fsdp2_ac", "composite_tp",
-                                      "tp_wrong_sampler", "tp_lightning_sampler", "tp_iterable"],
+    world4 = _dist.run(run_group, 4, ["tp_fsdp2", "lora_tp_fsdp2", "tp_sp_fsdp2_ac",
+                                      "composite_tp", "tp_wrong_sampler", "tp_lightning_sampler",
+                                      "tp_iterable"],
                        ckpt,
                        timeout=300)
     return {2: world2, 4: world4, "ckpt": Path(ckpt)}
@@ -362,6 +370,17 @@ def test_frozen_parameters_stay_frozen_under_fsdp2_and_ddp(groups):
                 "encoder.layers.0.0.bias", "encoder.layers.0.0.weight", "encoder.layers.0.2.bias",
                 "encoder.layers.0.2.weight", "encoder.norm.bias", "encoder.norm.weight"]
             assert r[name]["frozen_unchanged"] is True
+
+
+@pytest.mark.multiprocess
+def test_a_lora_model_trains_its_adapters_only_under_tp_fsdp2(groups):
+    """peft_config (NeMo's keys) adds lora to the plan: the losses of a one-device Trainer on
+    the same LoRA model, and only the adapters trainable."""
+    _same_losses(groups[4], "lora_tp_fsdp2", reference(lora=True))
+    for r in groups[4]:
+        got = r["lora_tp_fsdp2"]
+        assert got["steps"] == ["lora", "tp", "fsdp2"]
+        assert got["trainable"] and all(".lora_" in n for n in got["trainable"])
 
 
 @pytest.mark.multiprocess

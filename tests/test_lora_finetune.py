@@ -2,12 +2,13 @@
 and the peft round trip of the README.
 
 The README block makes the local HF directory and data (as for the full fine-tuning example);
-four ranks train four AdamW steps (weight decay, a clip active at every step) with a checkpoint every two
-steps and both exports. Checked against one process (the same pipeline with lora alone):
-the same losses (2e-5) and gradient norms (1e-4 relative); the checkpoints hold the adapters and their optimizer state only; one
-process resuming from the four-rank checkpoint of step 2 gives the one-process losses of steps
-3 and 4 (2e-5); ``peft.PeftModel.from_pretrained(base, export_peft)`` computes the logits of
-the merged ``export_hf`` (1e-5), which differ from the base's.
+four ranks train four AdamW steps (weight decay, a clip active at every step) with a checkpoint
+every two steps and both exports. Checked against one process (the same pipeline with lora
+alone): the same losses (2e-5) and gradient norms (1e-4 relative); the checkpoints hold the
+adapters and their optimizer state only; one process resuming from the four-rank checkpoint of
+step 2 gives the one-process losses of steps 3 and 4 (2e-5);
+``peft.PeftModel.from_pretrained(base, export_peft)`` computes the logits of the merged
+``export_hf`` (1e-5), which differ from the base's.
 """
 
 from __future__ import annotations

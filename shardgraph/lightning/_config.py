@@ -37,7 +37,8 @@ KEYWORDS = {
 }
 _DEFAULTS = {"dp_size": None, "dp_replicate_size": 1, "tp_size": 1, "pp_size": 1, "cp_size": 1,
              "ep_size": 1, "sequence_parallel": False, "activation_checkpointing_llm": False,
-             "dp_strategy": "fsdp2", "moe_config": None, "distributed_config": None}
+             "dp_strategy": "fsdp2", "moe_config": None, "distributed_config": None,
+             "peft_config": None}
 #: Lightning precision -> the plan's mixed_precision options it means
 PRECISIONS = {
     "bf16-mixed": {"param_dtype": "bf16", "reduce_dtype": "fp32", "output_dtype": "fp32"},
@@ -108,7 +109,9 @@ class Options:
                 value = _ac_options(value)
             if value is not None and value != {}:
                 dist[key] = value
-        return _renamed(lambda: graph_from_dict({"distributed": dist}))
+        peft = v.get("peft_config")  # NeMo's peft keys: the [peft] table (LoRA)
+        data = {"distributed": dist, **({"peft": peft} if peft is not None else {})}
+        return _renamed(lambda: graph_from_dict(data))
 
     def _pipeline_graph(self) -> Graph:
         given = [k for k, default in _DEFAULTS.items() if self.values.get(k, default) != default]
@@ -188,7 +191,10 @@ def _keyword(key: str) -> str:
 
 
 def rename_key(key: str) -> str:
-    """A ``[distributed]`` key -> the keyword or ``distributed_config`` entry that set it."""
+    """A ``[distributed]`` key -> the keyword or ``distributed_config`` entry that set it;
+    a ``[peft]`` key -> its ``peft_config`` entry."""
+    if key == "peft" or key.startswith("peft."):
+        return "peft_config" + key.removeprefix("peft")
     if not key.startswith("distributed."):
         return key
     head, _, rest = key.removeprefix("distributed.").partition(".")
@@ -202,7 +208,8 @@ def _renamed(build):
         return build()
     except PlanError as err:
         def text(s: str) -> str:  # a hint may name a key too ("set distributed.ep_size > 1")
-            return re.sub(r"distributed\.[a-z_][a-z_.]*[a-z_]", lambda m: rename_key(m[0]), s)
+            return re.sub(r"\b(?:distributed|peft)\.[a-z_][a-z_.]*[a-z_]",
+                          lambda m: rename_key(m[0]), s)
 
         raise PlanError([attrs.evolve(v, keys=tuple(rename_key(k) for k in v.keys),
                                       message=text(v.message), hint=text(v.hint))

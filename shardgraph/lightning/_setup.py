@@ -134,7 +134,8 @@ def setup_distributed(
     sequence_parallel: bool = False, activation_checkpointing_llm: Any = False,
     activation_checkpointing_perception: Any = False, dp_strategy: str = "fsdp2",
     distributed_config: dict | None = None, moe_config: dict | None = None,
-    precision: str | None = None, timeout_minutes: int | None = None,
+    peft_config: dict | None = None, precision: str | None = None,
+    timeout_minutes: int | None = None,
     backend: str | None = None, gpus_per_node: int | None = None,
 ) -> DistributedSetup:
     """For scripts without a Trainer (inference, a hand-written loop), on every rank.
@@ -151,7 +152,8 @@ def setup_distributed(
         ep_size=ep_size, sequence_parallel=sequence_parallel,
         activation_checkpointing_llm=activation_checkpointing_llm,
         activation_checkpointing_perception=activation_checkpointing_perception,
-        dp_strategy=dp_strategy, distributed_config=distributed_config, moe_config=moe_config)
+        dp_strategy=dp_strategy, distributed_config=distributed_config, moe_config=moe_config,
+        peft_config=peft_config)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     plan, perception_plan = options.compile(world, precision)
     device = _device()

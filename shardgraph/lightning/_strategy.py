@@ -26,7 +26,8 @@ class ShardgraphStrategy(ModelParallelStrategy):
     from the world size); ``dp_strategy`` is ``[distributed] strategy`` (``"fsdp2"``, ``"ddp"``,
     ...); ``distributed_config`` holds the strategy's options and other ``[distributed]`` keys
     (``cpu_offload``, ``reshard_after_forward``, ``mixed_precision``, ``pipeline``);
-    ``moe_config`` is ``[distributed.moe]``. ``activation_checkpointing_llm`` /
+    ``moe_config`` is ``[distributed.moe]``; ``peft_config`` is ``[peft]`` (LoRA with NeMo's keys:
+    ``dim``, ``alpha``, ``dropout``, ``target_modules``, ...). ``activation_checkpointing_llm`` /
     ``_perception``: True for each model's blocks, or FQN globs of the modules to checkpoint.
     ``pipeline``: a pipeline TOML path or a ``shardgraph.Graph`` instead of the keywords.
 
@@ -49,6 +50,7 @@ class ShardgraphStrategy(ModelParallelStrategy):
         activation_checkpointing_perception: bool | str | list[str] = False,
         distributed_config: dict | None = None,
         moe_config: dict | None = None,
+        peft_config: dict | None = None,
         pipeline: Any = None,
         timeout_minutes: int | None = None,
         dp_strategy: str = "fsdp2",
@@ -66,7 +68,8 @@ class ShardgraphStrategy(ModelParallelStrategy):
             cp_size=cp_size, ep_size=ep_size, sequence_parallel=sequence_parallel,
             activation_checkpointing_llm=activation_checkpointing_llm,
             activation_checkpointing_perception=activation_checkpointing_perception,
-            dp_strategy=dp_strategy, distributed_config=distributed_config, moe_config=moe_config)
+            dp_strategy=dp_strategy, distributed_config=distributed_config, moe_config=moe_config,
+            peft_config=peft_config)
         self.distributed_setup: DistributedSetup | None = None
         self._warned_iterable = False
 

@@ -15,10 +15,10 @@ An entry that matches nothing is an error, as is a target that is not an ``nn.Li
 The adapters are drawn from a seed per FQN (``seed``): by this step on a model with storage
 (before any step shards), or by the weights layer on a model built on ``meta`` (``seeded_init``
 and ``hf_load``, which loads only the base from the checkpoint): every layout and every way of
-building the model starts from the same adapters. The step runs before every step that lays weights out
-(tp, pp, cp, ep, activation checkpointing, the strategy), and exports the adapted modules
-(``core.values.LowRankAdapters``, capability ``low_rank_adapters``) for those that must lay the
-adapters out beside their base (tp).
+building the model starts from the same adapters. The step runs before every step that lays
+weights out (tp, pp, cp, ep, activation checkpointing, the strategy), and exports the adapted
+modules (``core.values.LowRankAdapters``, capability ``low_rank_adapters``) for those that must
+lay the adapters out beside their base (tp).
 """
 
 from __future__ import annotations
