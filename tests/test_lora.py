@@ -203,3 +203,34 @@ def test_composes_with_activation_checkpointing_and_mixed_precision():
     assert abs(loss.item() - ref.item()) < 2e-2
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert all((g is not None) == (".lora_" in n) for n, g in grads.items())
+
+
+def test_the_dry_run_counts_gradients_and_adamw_state_for_the_adapters_only():
+    from shardgraph.train.config import loads_pipeline
+    from shardgraph.train.dryrun import dryrun
+
+    text = """
+[model]
+architecture = "LlamaForCausalLM"
+[model.config]
+vocab_size = 1024
+hidden_size = 256
+intermediate_size = 512
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 4
+[train]
+optimizer = "adamw"
+[plugins.lora]
+rank = 8
+target_modules = ["q_proj", "down_proj"]
+[plugins.tp]
+size = 2
+[plugins.fsdp2]
+"""
+    got = dryrun(loads_pipeline(text), 4)["bytes"]
+    # per layer: q_proj (A 8x256 whole, B 256x8 split by tp), down_proj (A 8x512 split by tp,
+    # B 256x8 whole); then fsdp2 shards everything over 2: fp32 bytes
+    adapters = 2 * (8 * 256 + 256 * 8 // 2 + 8 * 512 // 2 + 256 * 8) // 2 * 4
+    assert got["gradients"] == adapters and got["optimizer"] == 2 * adapters
+    assert got["parameters"] > 10 * adapters

@@ -65,9 +65,9 @@ def _measure(parallel, pipeline: Pipeline, plan, ctx, full_params: int,
     replicas = lay.dp_replicate if "sharded_data_parallel" in provided else lay.dp
     split = lay.world_size // replicas if lay.world_size > 1 else 1
     ideal = full_bytes / split
-    memory = {
-        "parameters": param_bytes, "gradients": param_bytes, "optimizer": states * param_bytes,
-    }
+    # frozen parameters (a LoRA base) have no gradient and no optimizer state
+    trained = sum(_bytes(_local(p)) for p in params if p.requires_grad)
+    memory = {"parameters": param_bytes, "gradients": trained, "optimizer": states * trained}
     return {
         "full_parameters": full_params, "full_bytes": full_bytes,
         "local_parameters": local_params, "ideal_split": split,
