@@ -12,7 +12,8 @@ tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with
 and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile
 (aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, cp + selective, pp, ep + full),
 and a LoRA model (``lora`` on every linear but the LM head; its one-process reference is the
-same plan at world size 1, trained in plain torch) under fsdp2, tp x fsdp2, tp + sp, pp x dp, cp:
+same plan at world size 1, trained in plain torch) under fsdp2, tp x fsdp2, tp + sp, pp x dp, cp,
+and the MoE model's under ep x dp:
 per-step losses within 1e-5, the global gradient norm within 1e-5 relative, and the parameters
 after three steps within 1e-3, a tenth of the learning rate: AdamW divides by the root of tiny
 second moments, so an element whose gradient is at the level of reduction-order noise can move by
@@ -65,10 +66,11 @@ def lora() -> Graph:
 
 
 def build(kind: str):
-    if kind == "lora":  # the adapters as lora draws them, in one process
+    model = tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4)
+    if kind.endswith("lora"):  # the adapters as lora draws them, in one process
         plan = lora().compile(world_size=1)
-        return plan.apply(tiny_llama(layers=4), plan.build_mesh("cpu")).module
-    return tiny_llama(layers=4) if kind == "llama" else tiny_moe()
+        return plan.apply(model, plan.build_mesh("cpu")).module
+    return model
 
 
 @functools.cache
@@ -140,6 +142,8 @@ LAYOUTS = {
     "lora_tp2_sp_fsdp2": ("lora", lambda: lora().add("tp", size=2).add("sp").add("fsdp2"), 2),
     "lora_pp2_fsdp2": ("lora", lambda: lora().add("pp", size=2).add("fsdp2"), 2),
     "lora_cp2_fsdp2": ("lora", lambda: lora().add("cp", size=2).add("fsdp2"), 2),
+    # every linear of the MoE model but its fused experts and router: the attention's
+    "lora_ep2_fsdp2": ("moe_lora", lambda: lora().add("ep", size=2).add("fsdp2"), 1),
 }
 
 
@@ -147,7 +151,7 @@ def _run(name: str, world: int) -> dict:
     import torch.distributed as dist
 
     kind, graph, micro = LAYOUTS[name]
-    model = tiny_moe() if kind == "moe" else tiny_llama(layers=4)
+    model = tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4)
     plan = graph().compile(world_size=world)
     compiled = plan.step("compile") is not None
     if compiled:
@@ -213,10 +217,10 @@ def test_losses_norms_and_parameters_match_one_process(world4, name):
 def test_lora_trains_the_adapters_only(world4):
     """The base is frozen under every layout: only the adapters are trainable and hold
     optimizer state, and the base weights end where they started."""
-    ref = reference("lora", 1)
-    assert ref["trainable"] and all(".lora_" in n for n in ref["trainable"])
-    start = build("lora").state_dict()
     for name in (n for n in LAYOUTS if n.startswith("lora_")):
+        kind, _, micro = LAYOUTS[name]
+        ref, start = reference(kind, micro), build(kind).state_dict()
+        assert ref["trainable"] and all(".lora_" in n for n in ref["trainable"])
         got = world4[name]
         assert got["trainable"] == ref["trainable"], name
         if "pp" not in name:  # (a pipeline rank holds its stages' adapters only)

@@ -115,7 +115,8 @@ def _targets(model: nn.Module, options: LoRAOptions) -> _Targets:
     bad: list[Violation] = []
     if options.match_all_linear:
         head = _output_embeddings(model)
-        chosen = [n for n, m in modules.items() if isinstance(m, nn.Linear) and m is not head]
+        # exactly nn.Linear: a subclass may compute something else (and is refused by name)
+        chosen = [n for n, m in modules.items() if type(m) is nn.Linear and m is not head]
         if not chosen:
             bad.append(Violation(
                 "lora-unmatched", ("plugins.lora.match_all_linear",),
