@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ...core.blocks import output_embeddings
 from ...core.errors import Violation, did_you_mean
 from ...core.lazy import lazy_module
 from ...core.values import Applied, LowRankAdapters
@@ -114,7 +115,7 @@ def _targets(model: nn.Module, options: LoRAOptions) -> _Targets:
     modules = {n: m for n, m in model.named_modules() if n}
     bad: list[Violation] = []
     if options.match_all_linear:
-        head = _output_embeddings(model)
+        head = output_embeddings(model)
         # exactly nn.Linear: a subclass may compute something else (and is refused by name)
         chosen = [n for n, m in modules.items() if type(m) is nn.Linear and m is not head]
         if not chosen:
@@ -169,14 +170,6 @@ def _not_linear(fqn: str, module) -> Violation:
         why = f"{fqn} is a {kind}; lora adapts nn.Linear modules only"
         hint = "target the linears inside it (e.g. its '*_proj' children) or narrow the glob"
     return Violation("lora-target", ("plugins.lora.target_modules",), why, hint=hint)
-
-
-def _output_embeddings(model):
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        return get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        return None
 
 
 def _model_check(model: nn.Module, options: LoRAOptions, ctx: MeshContext) -> list[Violation]:
