@@ -7,6 +7,8 @@ every two steps and both exports. Checked against one process (the same pipeline
 alone): the same losses (2e-5) and gradient norms (1e-4 relative); the checkpoints hold the
 adapters and their optimizer state only; one process resuming from the four-rank checkpoint of
 step 2 gives the one-process losses of steps 3 and 4 (2e-5);
+``shardgraph export``'s function, in one process from the four-rank checkpoint, writes the
+same merged model and adapters as the end of training (1e-6);
 ``peft.PeftModel.from_pretrained(base, export_peft)`` computes the logits of the merged
 ``export_hf`` (1e-5), which differ from the base's.
 """
@@ -78,6 +80,21 @@ def test_lora_example_trains_resumes_and_round_trips_through_peft(tmp_path, monk
                               resume=str(tmp_path / "ckpt" / "step_00000002")), steps=STEPS)
     assert [r["step"] for r in resumed["rows"]] == [3, 4]
     assert [r["loss"] for r in resumed["rows"]] == pytest.approx(ref[2:], abs=2e-5)
+
+    # `shardgraph export` of the last checkpoint, in one process: the base from [model] path,
+    # the adapters from the checkpoint; the same merged weights as the end of training wrote
+    from safetensors.torch import load_file
+
+    from shardgraph.train.export import export_checkpoint
+
+    written = export_checkpoint(_pipeline(tmp_path, alone=True),
+                                tmp_path / "ckpt" / "step_00000004", tmp_path / "again")
+    assert written == [tmp_path / "again", tmp_path / "again-adapter"]
+    for name in ("again/model.safetensors", "again-adapter/adapter_model.safetensors"):
+        ours, theirs = load_file(tmp_path / name), load_file(
+            tmp_path / name.replace("again-adapter", "adapter").replace("again", "merged"))
+        assert ours.keys() == theirs.keys()
+        assert all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours), name
 
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained("finetune/tiny-llama")
