@@ -68,8 +68,10 @@ CHECKSUM = "xxh3_64"
 _CHUNK = 8 * 2**20
 #: DCP's shard files are named after the rank that wrote them: ``__<rank>_<n>.distcp``
 _WRITER = re.compile(r"__(\d+)_")
-#: settings that may change on resume (a schedule tweak): announced, not refused
-ADJUSTABLE = ("train.lr", "train.weight_decay", "train.grad_clip")
+#: settings that may change on resume (a schedule tweak): announced, not refused; the learning
+#: rate schedule is a closed form of the step (train/schedule.py), so a change takes effect
+ADJUSTABLE = ("train.lr", "train.weight_decay", "train.grad_clip", "train.steps",
+              "train.lr_schedule", "train.warmup_steps", "train.decay_steps", "train.min_lr")
 
 
 #: Frozen parameters (a LoRA model's base) are not saved: they come from ``[model]`` as at the

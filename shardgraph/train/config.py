@@ -50,7 +50,16 @@ class TrainConfig:
     #: sequences per forward on one rank; default: the whole local batch in one forward
     micro_batch_size: int | None = None
     optimizer: str = "sgd"
+    #: the peak learning rate (``train/schedule.py``)
     lr: float = 0.01
+    #: "constant", "linear", "cosine" or "wsd" (warmup-stable-decay), over ``steps``
+    lr_schedule: str = "constant"
+    #: steps of linear warmup from lr / warmup_steps up to lr
+    warmup_steps: int = 0
+    #: wsd only: the final steps over which lr decays linearly to min_lr
+    decay_steps: int | None = None
+    #: where linear, cosine and wsd end
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     momentum: float = 0.0
     #: adamw's (beta1, beta2), e.g. [0.9, 0.95]; default torch's [0.9, 0.999]
@@ -98,6 +107,8 @@ class Pipeline:
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
             "checkpoint": CheckpointConfig}
 OPTIMIZERS = ("sgd", "adamw")
+#: learning-rate schedules (``train/schedule.py``)
+SCHEDULES = ("constant", "linear", "cosine", "wsd")
 DTYPES = ("fp32", "bf16")
 TOKEN_DTYPES = ("uint16", "int32", "int64")
 
@@ -136,6 +147,7 @@ def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
     need(ckpt.every >= 0, "checkpoint.every", f"checkpoint.every must be >= 0, got {ckpt.every}",
          "0 saves only at the end")
     need(train.lr > 0, "train.lr", f"train.lr must be > 0, got {train.lr}", "e.g. lr = 0.01")
+    _schedule_rules(train, need)
     need(train.optimizer in OPTIMIZERS, "train.optimizer",
          f"unknown optimizer {train.optimizer!r}{did_you_mean(train.optimizer, OPTIMIZERS)}",
          f"valid: {', '.join(OPTIMIZERS)}")
@@ -171,6 +183,33 @@ def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
          "give the path of a checkpoint directory, \"auto\" or \"never\"")
     need(not (ckpt.every and ckpt.dir is None), "checkpoint.every",
          "checkpoint.every is set but checkpoint.dir is not", "set checkpoint.dir = \"ckpt\"")
+
+
+def _schedule_rules(train: TrainConfig, need) -> None:
+    kind = train.lr_schedule
+    need(kind in SCHEDULES, "train.lr_schedule",
+         f"unknown lr_schedule {kind!r}{did_you_mean(kind, SCHEDULES)}",
+         f"valid: {', '.join(SCHEDULES)}")
+    need(train.warmup_steps >= 0, "train.warmup_steps",
+         f"train.warmup_steps must be >= 0, got {train.warmup_steps}", "0: no warmup")
+    need(train.warmup_steps <= train.steps, "train.warmup_steps",
+         f"warmup_steps = {train.warmup_steps} is longer than the run (steps = {train.steps})",
+         f"use warmup_steps <= {train.steps}")
+    need(0 <= train.min_lr <= train.lr, "train.min_lr",
+         f"min_lr = {train.min_lr} is not between 0 and lr = {train.lr}",
+         "the decay ends at min_lr: use 0 <= min_lr <= lr")
+    if kind != "wsd":
+        need(train.decay_steps is None, "train.decay_steps",
+             f"decay_steps is set but lr_schedule = {kind!r} decays over the whole run after "
+             "warmup", "remove decay_steps, or use lr_schedule = \"wsd\"")
+        return
+    d = train.decay_steps
+    need(d is not None and d >= 1, "train.decay_steps",
+         f"lr_schedule = \"wsd\" needs decay_steps >= 1, got {d}",
+         "e.g. decay_steps = steps // 10: the final decay")
+    need(d is None or train.warmup_steps + d <= train.steps, "train.decay_steps",
+         f"warmup_steps + decay_steps = {train.warmup_steps} + {d} is longer than the run "
+         f"(steps = {train.steps})", "shorten the warmup or the decay, or train longer")
 
 
 TOKEN_SUFFIXES = (".txt", ".npy", ".bin")

@@ -27,6 +27,7 @@ from . import checkpoint as ckpt
 from .config import Pipeline
 from .data import TokenStream, local_slice
 from .model import hf_config, meta_model, weights
+from .schedule import make_scheduler
 
 
 def device_type() -> str:
@@ -129,7 +130,7 @@ class Reporter:
             self.file.flush()
         s = row["step"]
         mem = "/".join(f"{b / 2**20:.0f}" for b in row["peak_mem_bytes_per_rank"])
-        text = (f"step {s:>4}/{self.total}  loss {row['loss']:.4f}  "
+        text = (f"step {s:>4}/{self.total}  loss {row['loss']:.4f}  lr {row['lr']:.3g}  "
                 f"{row['tokens_per_s']:,.0f} tok/s  {row['step_time_s'] * 1e3:.0f} ms/step  "
                 f"peak MiB per rank {mem}")
         if self.tty:
@@ -187,6 +188,9 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         saved = ckpt.read_meta(resume)
         start = saved["step"]
         report.info(f"resumed from {resume} at step {start}{ckpt.changed(saved, settings)}")
+    # the schedule's position is saved with each checkpoint (meta.json): older ones, the step
+    position = saved.get("lr_scheduler", {}).get("last_epoch", start) if resume else 0
+    scheduler = make_scheduler(optimizer, t, position)
 
     dp_size, dp_rank = 1, 0
     if ctx.device_mesh is not None:
@@ -208,13 +212,15 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         # One call under every plan: micro-batches, the token-weighted loss over the global
         # batch, gradient sync on the last micro-batch, the global gradient norm, clipping
         # and the optimizer step (graphs/runtime.py).
+        lr = scheduler.get_last_lr()[0]
         out = parallel.step(batch, optimizer, micro_batch_size=t.micro_batch_size,
                             grad_clip=t.grad_clip)
+        scheduler.step()
         if dev != "cpu":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - began
         mem = _per_rank(peak_memory_bytes(), world, ctx.device)
-        row = {"step": step + 1, "loss": out.loss, "grad_norm": out.grad_norm,
+        row = {"step": step + 1, "loss": out.loss, "grad_norm": out.grad_norm, "lr": lr,
                "tokens_per_s": seq_tokens / elapsed, "step_time_s": elapsed,
                "peak_mem_bytes": max(mem), "peak_mem_bytes_per_rank": mem}
         rows.append(row)
@@ -226,7 +232,8 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         if root is not None and ((c.every and done % c.every == 0) or done == total):
             try:  # a directory of this step already there (incomplete, or redone) is replaced
                 path = ckpt.save(root, done, parallel.module, optimizer,
-                                 {**meta, "data_position": done * t.global_batch_size}, c.keep)
+                                 {**meta, "data_position": done * t.global_batch_size,
+                                  "lr_scheduler": scheduler.state_dict()}, c.keep)
             except ckpt.SaveFailed as exc:
                 if done == total:
                     raise
