@@ -1,13 +1,16 @@
 """``shardgraph train`` end to end under real torchrun launches (gloo, CPU).
 
-One pipeline (tiny Llama, SGD with momentum, lr 0.05, 20 steps, checkpoints every 5) trained in
-this process (world 1, the reference); by ``shardgraph train --nproc 4`` under fsdp2, under
+One pipeline (tiny Llama, SGD with momentum, lr 0.05 on a cosine schedule with 8 warmup steps,
+20 steps, checkpoints every 5, validation every 5 steps on held-out text) trained in this process
+(world 1, the reference); by ``shardgraph train --nproc 4`` under fsdp2 (with TensorBoard), under
 tp 2 x sp x fsdp2, under pp 2 x fsdp2 (1F1B, 4 microbatches) and under cp 2 x fsdp2; by
-``--nproc 2`` under fsdp2 + activation checkpointing. Its MoE twin (Qwen3-MoE, 4 experts) in this
-process and under ep 2 x fsdp2. Tolerance against the reference: loss 2e-5 absolute over the
-first 5 steps (measured <= 4.8e-7 under every plan, 1e-6 over all 20: gradients are averaged in
-another order). Then a run killed inside a checkpoint save, its resume, and the checkpoint of
-the 4-process fsdp2 run loaded under other plans and world sizes, bit for bit.
+``--nproc 2`` under fsdp2 + activation checkpointing with async checkpoints and a profile of
+steps 3-4. Its MoE twin (Qwen3-MoE, 4 experts) in this process and under ep 2 x fsdp2.
+Tolerance against the reference: loss 2e-5 absolute over the first 5 steps (measured <= 4.8e-7
+under every plan, 1e-6 over all 20: gradients are averaged in another order), validation loss
+2e-5 at every evaluation; learning rates exact. Then a run killed while an async save is in
+flight, again between a save's shards and its rename, its resumes (in warmup, in decay), and the
+checkpoint of the 4-process fsdp2 run loaded under other plans and world sizes, bit for bit.
 """
 
 from __future__ import annotations
@@ -47,13 +50,20 @@ optimizer = "sgd"
 momentum = 0.9
 lr = 0.05
 seed = 3
+lr_schedule = "cosine"
+warmup_steps = 8
+min_lr = 0.005
 [checkpoint]
 dir = "{ckpt}"
 every = 5
 keep = 10
 {extra}
+[validation]
+path = "HELDOUT"
+every = 5
+steps = 2
 {plugins}
-"""
+""".replace("HELDOUT", str(Path(__file__).parent / "data" / "heldout.txt"))
 FSDP2 = "[plugins.fsdp2]"
 FSDP2_AC = "[plugins.fsdp2]\n[plugins.activation_checkpointing]"
 TP_FSDP2 = "[plugins.tp]\nsize = 2\n[plugins.sp]\n[plugins.fsdp2]"
@@ -63,6 +73,7 @@ MOE = PIPELINE.replace('"LlamaForCausalLM"', '"Qwen3MoeForCausalLM"').replace(
     "[model.config]", "[model.config]\nnum_experts = 4\nnum_experts_per_tok = 2\n"
     "moe_intermediate_size = 32\nhead_dim = 16")
 EP_FSDP2 = "[plugins.ep]\nsize = 2\n[plugins.fsdp2]"
+ASYNC = "async = true"
 
 
 def pipeline_file(tmp: Path, name: str, plugins: str, extra: str = "", base: str = PIPELINE) -> Path:
@@ -87,17 +98,20 @@ def runs(tmp_path_factory):
     ref = train(loads_pipeline(PIPELINE.format(ckpt=tmp / "ckpt_ref", plugins="", extra="")))
     moe = train(loads_pipeline(MOE.format(ckpt=tmp / "ckpt_moe", plugins="", extra="")))
     out = {"tmp": tmp, "ref": [r["loss"] for r in ref["rows"]],
-           "moe_ref": [r["loss"] for r in moe["rows"]]}
+           "moe_ref": [r["loss"] for r in moe["rows"]], "ref_rows": ref["rows"],
+           "moe_ref_rows": moe["rows"]}
+    board = f'\n[logging]\ntensorboard = "{tmp / "tb_w4"}"'
+    profile = ("--profile", "3:4", "--profile-dir", tmp / "prof_w2")
     launches = (
-        ("w4", pipeline_file(tmp, "w4", FSDP2, extra=f'export_hf = "{tmp / "hf_w4"}"'), 4),
-        ("w2", pipeline_file(tmp, "w2", FSDP2_AC), 2),
+        ("w4", pipeline_file(tmp, "w4", FSDP2, extra=f'export_hf = "{tmp / "hf_w4"}"' + board), 4),
+        ("w2", pipeline_file(tmp, "w2", FSDP2_AC, extra=ASYNC), 2, *profile),
         ("w4tp", pipeline_file(tmp, "w4tp", TP_FSDP2), 4),
         ("w4pp", pipeline_file(tmp, "w4pp", PP_FSDP2), 4),
         ("w4cp", pipeline_file(tmp, "w4cp", CP_FSDP2), 4),
         ("w2ep", pipeline_file(tmp, "w2ep", EP_FSDP2, base=MOE), 2),
     )
-    for name, path, n in launches:
-        done = shardgraph_train(path, "--nproc", n, "--metrics", tmp / f"{name}.jsonl")
+    for name, path, n, *more in launches:
+        done = shardgraph_train(path, "--nproc", n, "--metrics", tmp / f"{name}.jsonl", *more)
         assert done.returncode == 0, done.stderr[-3000:]
         out[name] = losses(tmp / f"{name}.jsonl")
         out[name + "_stdout"] = done.stdout
@@ -117,26 +131,53 @@ def test_loss_falls_and_matches_one_process(runs, world):
         assert row["tokens_per_s"] > 0 and row["peak_mem_bytes"] > 0
         assert len(row["peak_mem_bytes_per_rank"]) == int(world[1])
     assert "loss" in runs[world + "_stdout"] and "tok/s" in runs[world + "_stdout"]
+    # the schedule and the evaluations of one process, under every plan
+    ref_rows, rows = runs["moe_ref_rows" if "ep" in world else "ref_rows"], runs[world + "_rows"]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in ref_rows]
+    assert [r["step"] for r in rows if "val_loss" in r] == [5, 10, 15, 20]
+    for got_row, ref_row in zip(rows, ref_rows):
+        if "val_loss" in ref_row:
+            assert abs(got_row["val_loss"] - ref_row["val_loss"]) < 2e-5, (got_row, ref_row)
+
+
+def test_tensorboard_and_profile(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(runs["tmp"] / "tb_w4")).Reload()
+    rows = runs["w4_rows"]
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm"),
+                     ("train/tokens_per_s", "tokens_per_s"), ("val/loss", "val_loss")):
+        want = [(r["step"], r[key]) for r in rows if key in r]
+        got = [(e.step, e.value) for e in board.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in want], tag
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), tag
+    for rank in (0, 1):  # a Chrome trace per rank, of steps 3 and 4 only
+        trace = json.loads((runs["tmp"] / "prof_w2" / f"rank{rank}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert "aten::mm" in names or "aten::addmm" in names
 
 
 def test_kill_during_save_keeps_the_last_checkpoint_and_resume_reproduces(runs):
-    """SIGKILL on every rank between writing the step-10 shards and the rename."""
+    """SIGKILL on every rank while the async save of step 10 is in flight; then again, resumed,
+    between writing the step-10 shards and the rename."""
     tmp = runs["tmp"]
-    path = pipeline_file(tmp, "crash", FSDP2_AC)
+    path = pipeline_file(tmp, "crash", FSDP2_AC, extra=ASYNC)
     root = tmp / "ckpt_crash"
-    killed = shardgraph_train(path, "--nproc", 2, "--steps", 10,
-                              env={ckpt.FAULT_ENV: "kill-in-save:10"})
-    assert killed.returncode != 0
-    assert (root / "step_00000010.tmp").is_dir()  # the save was under way ...
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000005"]
-    assert ckpt.latest(root).name == "step_00000005"  # ... and step 5 is intact
+    for fault in ("kill-in-async-save:10", "kill-in-save:10"):
+        killed = shardgraph_train(path, "--nproc", 2, "--steps", 10, env={ckpt.FAULT_ENV: fault})
+        assert killed.returncode != 0, fault
+        assert (root / "step_00000010.tmp").is_dir(), fault  # the save was under way ...
+        assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000005"], fault
+        assert ckpt.latest(root).name == "step_00000005", fault  # ... and step 5 is intact
     resumed = shardgraph_train(path, "--nproc", 2, "--steps", 10, "--metrics", tmp / "r.jsonl")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     rows = [json.loads(x) for x in (tmp / "r.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(6, 11))
     # the same plan and world as the uninterrupted w2 run: the same losses (momentum restored)
+    # and learning rates (resumed in warmup)
     assert [r["loss"] for r in rows] == pytest.approx(runs["w2"][5:10], abs=1e-6)
+    assert [r["lr"] for r in rows] == [r["lr"] for r in runs["w2_rows"][5:10]]
     assert ckpt.latest(root).name == "step_00000010"
     # a clean stop at step 10, then on to 13: again the uninterrupted losses
     more = shardgraph_train(path, "--nproc", 2, "--steps", 13, "--metrics", tmp / "r2.jsonl")
@@ -144,6 +185,7 @@ def test_kill_during_save_keeps_the_last_checkpoint_and_resume_reproduces(runs):
     rows = [json.loads(x) for x in (tmp / "r2.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [11, 12, 13]
     assert [r["loss"] for r in rows] == pytest.approx(runs["w2"][10:13], abs=1e-6)
+    assert [r["lr"] for r in rows] == [r["lr"] for r in runs["w2_rows"][10:13]]  # in decay
 
 
 def _load_under(rank: int, world: int, text: str, path: str, plugins: list[str]) -> dict:

@@ -25,7 +25,7 @@ class Violation:
 
 
 #: Sections of a pipeline file that describe training, not the parallelism plan.
-TRAINING_SECTIONS = ("model", "data", "train", "checkpoint")
+TRAINING_SECTIONS = ("model", "data", "train", "checkpoint", "validation", "logging")
 PLAN_SUBJECT = "the parallelism plan"
 
 

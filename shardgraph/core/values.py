@@ -169,6 +169,12 @@ class StepRunner(Protocol):
         """The modules it runs (the stages this rank holds)."""
         ...
 
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """As ``run``, forward only (called under ``torch.no_grad``): no gradient is touched;
+        the sum of ``loss_fn``'s values, the same on every rank of the pipeline."""
+        ...
+
 
 @attrs.frozen
 class Float8Training:

@@ -164,13 +164,16 @@ class ParallelModel:
         return value
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                         loss_fn: LossFn) -> torch.Tensor:
+                         loss_fn: LossFn, position_ids: torch.Tensor | None = None
+                         ) -> torch.Tensor:
         """Forward and backward of one micro-batch (already shifted labels); returns the sum of
-        ``loss_fn`` on this rank, detached."""
+        ``loss_fn`` on this rank, detached. ``position_ids`` (packed documents) go to the
+        model."""
         if self.runner is not None:
             with _outputs_read_out_of_place():
                 return self.runner.run(input_ids, labels, loss_fn).detach()
-        inputs = self.prepare_batch({"input_ids": input_ids, "shift_labels": labels})
+        inputs = self.prepare_batch({"input_ids": input_ids, "shift_labels": labels,
+                                     **_positions(position_ids)})
         local = inputs.pop("shift_labels")
         inputs = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
         with self.loss_context(), _outputs_read_out_of_place():
@@ -240,11 +243,11 @@ class ParallelModel:
             return token_loss(output, target) * scale
 
         size = micro_batch_size or input_ids.shape[0]
-        chunks = list(zip(input_ids.split(size), labels.split(size)))
+        chunks = list(zip(input_ids.split(size), labels.split(size), _split(batch, size)))
         loss = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for i, (ids, lab) in enumerate(chunks):
+        for i, (ids, lab, pos) in enumerate(chunks):
             self.gradient_sync(i == len(chunks) - 1)
-            loss += self.forward_backward(ids, lab, loss_fn).float().reshape(())
+            loss += self.forward_backward(ids, lab, loss_fn, pos).float().reshape(())
         loss = self._sum(loss, self._group(Axis.DP, Axis.CP)) / ranks
         norm = self.grad_norm()
         if grad_clip > 0:
@@ -253,3 +256,54 @@ class ParallelModel:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return StepOutput(loss=float(loss), grad_norm=float(norm), tokens=total)
+
+    # -- evaluation -----------------------------------------------------------------------
+    def evaluate(self, batch: Mapping[str, torch.Tensor] | torch.Tensor, *,
+                 micro_batch_size: int | None = None) -> tuple[float, int]:
+        """The summed next-token loss of a global batch and the tokens that count, from this
+        rank's share (as ``step`` takes it): forward only, no gradients, dropout off. Their
+        ratio is the token-weighted mean loss; sums over several batches weigh them alike."""
+        if isinstance(batch, torch.Tensor):
+            batch = {"input_ids": batch}
+        input_ids = batch["input_ids"].to(self.ctx.device)
+        labels = shift_labels(batch.get("labels", batch["input_ids"]).to(self.ctx.device))
+        count = self._sum((labels != IGNORE).sum().to(torch.int64), self._group(Axis.DP))
+
+        loss_fn = self.token_loss()  # the summed token losses, as a step computes them
+
+        size = micro_batch_size or input_ids.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                for ids, lab, pos in zip(input_ids.split(size), labels.split(size),
+                                         _split(batch, size)):
+                    if self.runner is not None:
+                        loss = self.runner.evaluate(ids, lab, loss_fn)
+                    else:
+                        inputs = self.prepare_batch({"input_ids": ids, "shift_labels": lab,
+                                                     **_positions(pos)})
+                        local = inputs.pop("shift_labels")
+                        inputs = {k: v for k, v in inputs.items()
+                                  if k not in ("labels", "num_items_in_batch")}
+                        with self.loss_context():
+                            out = self.module(**inputs)
+                            loss = loss_fn(getattr(out, "logits", out), local)
+                        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                    total += loss.float().reshape(())
+        finally:
+            self.module.train(was_training)
+        # each of dp x cp holds distinct tokens; tp ranks hold the same sum, pp's is broadcast
+        return float(self._sum(total, self._group(Axis.DP, Axis.CP))), int(count)
+
+
+def _split(batch: Mapping[str, Any], size: int) -> list[torch.Tensor | None]:
+    """The micro-batches of the batch's ``position_ids`` (None for each where it has none)."""
+    pos = batch.get("position_ids")
+    n = -(-batch["input_ids"].shape[0] // size)
+    return [None] * n if pos is None else list(pos.split(size))
+
+
+def _positions(position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {} if position_ids is None else {"position_ids": position_ids}

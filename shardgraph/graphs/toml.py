@@ -30,7 +30,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 #: Sections read by ``shardgraph train``; the plan compiler leaves them alone.
-TRAINING_SECTIONS = ("model", "data", "train", "checkpoint")
+TRAINING_SECTIONS = ("model", "data", "train", "checkpoint", "validation", "logging")
 #: Read by ``shardgraph estimate`` / ``plan --auto`` (the GPU and its figures).
 PLANNER_SECTIONS = ("cluster",)
 SECTIONS = ("plugins", "distributed", "peft", "mesh", "packed_sequence", "step_scheduler",

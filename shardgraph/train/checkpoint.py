@@ -35,9 +35,11 @@ import os
 import re
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -57,6 +59,7 @@ META = "meta.json"
 LATEST = "LATEST"
 #: Test hooks, comma-separated: ``kill-in-save:STEP`` SIGKILLs every rank after the shards of
 #: STEP are written and before the rename: exactly the crash the layout above must survive;
+#: ``kill-in-async-save:STEP`` SIGKILLs every rank while an async save of STEP is in flight;
 #: ``enospc-in-save:STEP`` fails rank 0's writing of meta.json as a full disk would;
 #: ``raise-in-step:STEP:RANK`` (the launcher's) raises on one rank after STEP.
 FAULT_ENV = "SHARDGRAPH_FAULT"
@@ -389,8 +392,30 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     Raises ``SaveFailed`` on every rank if any rank's part failed (a full or read-only disk):
     the model and optimizer are untouched and the previous checkpoints stay as they were.
     """
-    final, tmp = root / name(step), root / (name(step) + ".tmp")
-    fault = faults()
+    return finish(start(root, step, model, optimizer, meta, keep))
+
+
+@attrs.frozen
+class PendingSave:
+    """A save whose shards are written (or being written, by DCP's ``async_save``)."""
+
+    root: Path
+    step: int
+    meta: dict[str, Any]
+    keep: int
+    #: waits for the shards of this rank; their problem, or None
+    written: Callable[[], str | None]
+
+
+def start(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+          meta: dict[str, Any], keep: int, *, group: dist.ProcessGroup | None = None,
+          asynchronous: bool = False) -> PendingSave:
+    """The first half of ``save``: the shards of ``step`` written into ``<step>.tmp``, or, with
+    ``asynchronous``, staged in memory and written by a thread of DCP's ``async_save`` over
+    ``group`` (its own group: its collectives then never meet training's) while training goes
+    on. ``finish`` makes it a checkpoint. Raises ``SaveFailed`` if the directory cannot be made.
+    """
+    tmp = root / (name(step) + ".tmp")
     problem = None
     if _rank() == 0:
         try:
@@ -401,15 +426,44 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         except OSError as exc:
             problem = f"{type(exc).__name__}: {exc}"
     problem = _agree(problem)
-    if problem is None:
+    if problem is not None:
+        _barrier()
+        raise _failed(root, step, problem)
+    future = None
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED)
+        state = {"model": model_sd, "optim": optim_sd}
+        if asynchronous:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+            future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse
+            if f"kill-in-async-save:{step}" in faults():
+                os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+    except (Exception, CheckpointException) as exc:
+        problem = _root_cause(exc)
+
+    def written() -> str | None:
+        if future is None:
+            return problem
         try:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            future.result()
         except (Exception, CheckpointException) as exc:
-            problem = _root_cause(exc)
-        # dcp.save agrees by itself, but a rank failing before it must not leave the rest
-        # in its collectives
-        problem = _agree(problem)
+            return _root_cause(exc)
+        return None
+
+    return PendingSave(root, step, meta, keep, written)
+
+
+def finish(pending: PendingSave) -> Path:
+    """The second half of ``save``: once every rank's shards are written, ``meta.json`` and
+    the rename make them a checkpoint; the oldest beyond ``keep`` are deleted."""
+    root, step = pending.root, pending.step
+    final, tmp = root / name(step), root / (name(step) + ".tmp")
+    fault = faults()
+    # dcp.save agrees by itself, but a rank failing before it must not leave the rest in its
+    # collectives
+    problem = _agree(pending.written())
     files: dict[str, dict[str, Any]] = {}
     if problem is None:
         try:
@@ -426,7 +480,8 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
                 if f"enospc-in-save:{step}" in fault:
                     raise OSError(28, "No space left on device (SHARDGRAPH_FAULT)")
                 _write_atomic(tmp / META, json.dumps(
-                    {**meta, "step": step, "checksum": CHECKSUM, "files": files}, indent=1))
+                    {**pending.meta, "step": step, "checksum": CHECKSUM, "files": files},
+                    indent=1))
                 _replace_dir(tmp, final)
                 _write_atomic(root / LATEST, final.name + "\n")
             except OSError as exc:
@@ -438,7 +493,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         _barrier()
         raise _failed(root, step, problem)
     if _rank() == 0:
-        for old in complete_checkpoints(root)[:-keep]:
+        for old in complete_checkpoints(root)[:-pending.keep]:
             shutil.rmtree(old)
     _barrier()
     return final

@@ -81,6 +81,11 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, metavar="PATH",
                    help="resume this run from the checkpoint PATH (a step_* directory) instead "
                    "of the file's [checkpoint] resume; the file is not changed")
+    p.add_argument("--profile", default=None, metavar="N:M",
+                   help="trace steps N to M (1-based) with the torch profiler: one Chrome trace "
+                   "per rank in --profile-dir")
+    p.add_argument("--profile-dir", default="profile_traces",
+                   help="where --profile writes rank<R>.json (default: profile_traces)")
 
 
 class _Stopped(BaseException):
@@ -127,6 +132,10 @@ def _launcher(args: argparse.Namespace) -> int:
     from .preflight import check
 
     pipeline, problems = _read(args)
+    try:
+        _profile(args, pipeline)
+    except PlanError as exc:
+        problems += exc.violations
     nproc = None
     try:
         nproc = _nproc(args, pipeline)
@@ -161,6 +170,9 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
         forwarded += ["--metrics", str(Path(args.metrics).resolve())]
     if args.resume is not None:
         forwarded += ["--resume", str(Path(args.resume).resolve())]
+    if args.profile is not None:
+        forwarded += ["--profile", args.profile, "--profile-dir",
+                      str(Path(args.profile_dir).resolve())]
     # One thread per process: N processes share the cores (torchrun would warn and set it).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the launcher's pid: its workers end with it, however it ends (see _end_with_launcher)
@@ -246,7 +258,8 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
                 dist.init_process_group("nccl")
             else:
                 dist.init_process_group("gloo")
-        train(pipeline, steps=args.steps, metrics=args.metrics, on_step=_fault_hook())
+        train(pipeline, steps=args.steps, metrics=args.metrics, on_step=_fault_hook(),
+              profile=_profile(args, pipeline))
     except PlanError as exc:
         _record("plan", str(exc))
         if reports and rank == 0:  # the same input error on every rank: say it once
@@ -267,6 +280,21 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
             time.sleep(0.5)
         os._exit(code)  # a failed rank must not wait in a collective: torchrun stops the rest
     return code
+
+
+def _profile(args: argparse.Namespace, pipeline) -> tuple[int, int, str] | None:
+    """``--profile N:M`` as ``(N, M, --profile-dir)``; a PlanError unless 1 <= N <= M <= the
+    run's last step."""
+    if args.profile is None:
+        return None
+    last = args.steps if args.steps is not None else pipeline.train.steps
+    found = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", args.profile)
+    first, end = (int(found[1]), int(found[2])) if found else (0, 0)
+    if not found or not 1 <= first <= end <= last:
+        raise PlanError([Violation(
+            "value", ("--profile",), f"--profile {args.profile!r} is not a range of this run's "
+            f"steps: N:M with 1 <= N <= M <= {last}", hint=f"e.g. --profile 2:{min(3, last)}")])
+    return first, end, args.profile_dir
 
 
 def _fault_hook():

@@ -41,6 +41,8 @@ class DataConfig:
     token_dtype: str = "uint16"
     #: the HF tokenizer directory for text data; default: the one in ``[model] path``
     tokenizer: str | None = None
+    #: text data: positions restart at each packed document and attention stays inside it
+    document_boundaries: bool = False
 
 
 @attrs.frozen
@@ -89,6 +91,26 @@ class CheckpointConfig:
     export_hf: str | None = None
     #: write a LoRA model's adapters here at the end of training, as a peft adapter directory
     export_peft: str | None = None
+    #: ``async`` in TOML: save with DCP's async_save while training goes on (one in flight)
+    async_: bool = False
+
+
+@attrs.frozen
+class ValidationConfig:
+    #: the held-out data, in any format ``[data] path`` reads (with its seq_len and tokenizer)
+    path: str | None = None
+    #: evaluate every N steps, and after the last step (0: after the last step only)
+    every: int = 0
+    #: batches per evaluation, the same ones each time; default: enough to read the data once
+    steps: int | None = None
+    #: sequences per batch; default: ``[train] global_batch_size``
+    global_batch_size: int | None = None
+
+
+@attrs.frozen
+class LoggingConfig:
+    #: a TensorBoard log directory, written by rank 0 (needs the ``tensorboard`` extra)
+    tensorboard: str | None = None
 
 
 @attrs.frozen
@@ -100,12 +122,17 @@ class Pipeline:
     data: DataConfig
     train: TrainConfig
     checkpoint: CheckpointConfig
+    validation: ValidationConfig = ValidationConfig()
+    logging: LoggingConfig = LoggingConfig()
     source: str = "<string>"
     raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
-            "checkpoint": CheckpointConfig}
+            "checkpoint": CheckpointConfig, "validation": ValidationConfig,
+            "logging": LoggingConfig}
+#: TOML keys that are Python keywords -> their attrs fields
+KEYWORDS = {("checkpoint", "async"): "async_"}
 OPTIMIZERS = ("sgd", "adamw")
 #: learning-rate schedules (``train/schedule.py``)
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
@@ -118,13 +145,20 @@ def _section(name: str, table: Any, bad: list[Violation]) -> Any:
         bad.append(Violation("type", (name,), f"{name} must be a table, got {table!r}",
                              hint=f"write [{name}] with its keys below"))
         return cls()
-    value, problems = structure_options(cls, table, lambda key: f"{name}.{key}", name,
-                                        section=True)
+    # a key that is a Python keyword is an attrs field with a trailing underscore
+    table = {KEYWORDS.get((name, k), k): v for k, v in table.items()}
+    value, problems = structure_options(
+        cls, table, lambda key: f"{name}.{key.rstrip('_')}", name, section=True)
+    for (section, key), field in KEYWORDS.items():
+        if section == name:
+            problems = [attrs.evolve(v, message=v.message.replace(field, key),
+                                     hint=v.hint.replace(field, key)) for v in problems]
     bad += problems
     if value is None:
         # the keys that failed take their defaults, so the section's other keys are still
         # checked (and the checks that read them still run)
-        failed = {v.keys[0].split(".", 1)[-1] for v in problems if v.keys}
+        failed = {KEYWORDS.get((name, k), k)
+                  for k in (v.keys[0].split(".", 1)[-1] for v in problems if v.keys)}
         value, _ = structure_options(cls, {k: v for k, v in table.items() if k not in failed},
                                      lambda key: f"{name}.{key}", name, section=True)
     return cls() if value is None else value
@@ -220,20 +254,59 @@ def _is_text(path: Path) -> bool:
     return path.is_dir() or path.suffix in TEXT_SUFFIXES
 
 
-def _data_path_rules(data: DataConfig, need) -> None:
-    """What can be told of data.path without reading it (data.check reads it)."""
-    path = Path(data.path)
+def _recipe_rules(p: dict[str, Any], validating: bool, bad: list[Violation]) -> None:
+    """``[validation]`` and ``[logging]``."""
+    v = p["validation"]
+
+    def need(cond: bool, key: str, message: str, hint: str) -> None:
+        if not cond:
+            bad.append(Violation("value", (key,), message, hint=hint))
+
+    if validating:
+        need(v.path is not None, "validation.path", "[validation] has no data: path is not set",
+             "set path to held-out data (a token file, .jsonl or .parquet), or remove "
+             "[validation]")
+    if v.path is not None:
+        _data_path_rules(p["data"], need, path=v.path, key="validation.path")
+    data = p["data"]
+    if data.document_boundaries:
+        need(data.path is not None and _is_text(Path(data.path)), "data.document_boundaries",
+             "document_boundaries needs text data (.jsonl, .parquet or a directory): token "
+             "files and synthetic data do not say where documents end",
+             "set data.path to text data, or remove data.document_boundaries")
+    need(not (p["checkpoint"].async_ and p["checkpoint"].dir is None), "checkpoint.async",
+         "checkpoint.async is set but checkpoint.dir is not", "set checkpoint.dir = \"ckpt\"")
+    need(v.every >= 0, "validation.every", f"validation.every must be >= 0, got {v.every}",
+         "0 evaluates after the last step only")
+    for key, value in (("validation.steps", v.steps),
+                       ("validation.global_batch_size", v.global_batch_size)):
+        need(value is None or value >= 1, key, f"{key} must be >= 1, got {value}",
+             "use a positive integer or leave it out")
+    if p["logging"].tensorboard is not None:
+        import importlib.util
+
+        need(importlib.util.find_spec("tensorboard") is not None, "logging.tensorboard",
+             "logging.tensorboard is set but the tensorboard package is not installed",
+             "pip install 'shardgraph[tensorboard]', or remove logging.tensorboard")
+
+
+def _data_path_rules(data: DataConfig, need, path: str | None = None,
+                     key: str = "data.path") -> None:
+    """What can be told of data.path (or ``path``) without reading it (data.check reads it)."""
+    path = Path(data.path if path is None else path)
     kinds = ("a .txt, .npy or .bin token file, a .jsonl or .parquet text file, or a directory "
              "of .jsonl/.parquet files")
-    need(path.exists(), "data.path", f"data path {data.path!r} does not exist",
-         f"give {kinds}; or remove data.path for synthetic tokens")
+    absent = "or remove data.path for synthetic tokens" if key == "data.path" else \
+        "or remove [validation]"
+    need(path.exists(), key, f"{key.split('.')[0]} path {str(path)!r} does not exist",
+         f"give {kinds}; {absent}")
     if path.is_dir():
-        need(any(p.suffix in TEXT_SUFFIXES for p in path.iterdir()), "data.path",
-             f"directory {data.path!r} holds no .jsonl or .parquet file",
-             "put .jsonl or .parquet files in it, or point data.path at one file")
+        need(any(p.suffix in TEXT_SUFFIXES for p in path.iterdir()), key,
+             f"directory {str(path)!r} holds no .jsonl or .parquet file",
+             "put .jsonl or .parquet files in it, or point it at one file")
     elif path.exists():
-        need(path.suffix in TOKEN_SUFFIXES + TEXT_SUFFIXES, "data.path",
-             f"data file {data.path!r} has an unknown suffix {path.suffix!r}",
+        need(path.suffix in TOKEN_SUFFIXES + TEXT_SUFFIXES, key,
+             f"{key.split('.')[0]} file {str(path)!r} has an unknown suffix {path.suffix!r}",
              f"use {', '.join(TOKEN_SUFFIXES + TEXT_SUFFIXES)}: {kinds}")
 
 
@@ -254,6 +327,7 @@ def pipeline_and_problems(data: Mapping[str, Any],
     graph = graph_from_dict(data, strict=False)
     sections = {name: _section(name, data.get(name, {}), bad) for name in SECTIONS}
     _rules(sections, bad)
+    _recipe_rules(sections, "validation" in data, bad)
     return Pipeline(graph=graph, source=source, raw=dict(data), **sections), bad
 
 

@@ -10,8 +10,12 @@ Sources:
   integers of ``token_dtype``);
 - text: ``.jsonl`` or ``.parquet`` files, or a directory of them, read with the ``datasets``
   library (the ``data`` extra) and tokenised with a local HF tokenizer. A row holds ``text``, or
-  ``prompt`` and ``completion`` (the loss is on the completion only). Documents are packed end to
-  end with the tokenizer's EOS after each, and cut into ``seq_len`` sequences.
+  ``prompt`` and ``completion`` (the loss is on the completion only), or chat ``messages``
+  (role/content dicts rendered by the tokenizer's chat template; the loss is on the assistant
+  turns only). Documents are packed end to end with the tokenizer's EOS after each, and cut into
+  ``seq_len`` sequences. The tokens are cached (``$SHARDGRAPH_CACHE``, default
+  ``~/.cache/shardgraph``) under a key of the files' bytes and the tokenizer: the launcher's
+  checks tokenise once, every rank memory-maps the result.
 
 A batch is ``{"input_ids", "labels"}``, both ``(count, seq_len)`` int64; ``labels`` are aligned
 with ``input_ids`` as transformers takes them (the loss shifts them by one) and hold
@@ -55,9 +59,11 @@ class TokenStream:
         self.tokens: np.ndarray | None = None
         #: False where the label is IGNORE_INDEX; None: every token is a label
         self.mask: np.ndarray | None = None
+        #: True at the first token of each document (text data)
+        self.starts: np.ndarray | None = None
         bad = _seq_len_rule(spec, max_positions)
         if spec.path is not None:
-            self.tokens, self.mask, problems = _load(spec, vocab_size, model_path)
+            self.tokens, self.mask, self.starts, problems = _load(spec, vocab_size, model_path)
             bad += problems
         if bad:
             raise PlanError(bad)
@@ -89,7 +95,16 @@ class TokenStream:
         labels = ids.clone()
         if self.mask is not None:
             labels[~torch.from_numpy(self.mask[index])] = IGNORE_INDEX
-        return {"input_ids": ids, "labels": labels}
+        if not self.spec.document_boundaries:
+            return {"input_ids": ids, "labels": labels}
+        # positions restart at each document (and at each sequence's first token); transformers
+        # then also keeps attention inside each document (its packed-sequence mask)
+        ramp = np.arange(seq)[None, :]
+        begins = np.asarray(self.starts[index], dtype=bool)
+        begins[:, 0] = True
+        last_start = np.maximum.accumulate(np.where(begins, ramp, 0), axis=1)
+        return {"input_ids": ids, "labels": labels,
+                "position_ids": torch.from_numpy(ramp - last_start)}
 
 
 def local_slice(batch: Any, dp_rank: int, dp_size: int) -> Any:
@@ -109,7 +124,7 @@ def check(pipeline: Any, vocab_size: int, max_positions: int | None) -> list[Vio
     spec: DataConfig = pipeline.data
     bad = _seq_len_rule(spec, max_positions)
     if spec.path is not None:
-        bad += _load(spec, vocab_size, pipeline.model.path)[2]
+        bad += _load(spec, vocab_size, pipeline.model.path)[3]
     return bad
 
 
@@ -131,20 +146,21 @@ def _seq_len_rule(spec: DataConfig, max_positions: int | None) -> list[Violation
 
 
 def _load(spec: DataConfig, vocab_size: int, model_path: str | None
-          ) -> tuple[np.ndarray | None, np.ndarray | None, list[Violation]]:
-    """``(tokens, mask, problems)`` of ``spec.path``; tokens is None when it cannot be read."""
+          ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, list[Violation]]:
+    """``(tokens, mask, document starts, problems)`` of ``spec.path``; tokens is None when it
+    cannot be read; starts is None for token files (their documents are not known)."""
     path = Path(spec.path)
     if path.is_dir() or path.suffix in TEXT_SUFFIXES:
-        tokens, mask, bad = _load_text(spec, path, vocab_size, model_path)
+        tokens, mask, starts, bad = _load_text(spec, path, vocab_size, model_path)
     else:
         tokens, bad = _read_tokens(path, spec.token_dtype, vocab_size)
-        mask = None
+        mask = starts = None
     if tokens is not None and not bad and len(tokens) < spec.seq_len:
         bad.append(Violation(
             "data", ("data.path", "data.seq_len"), f"{spec.path} holds {len(tokens)} tokens, "
             f"fewer than one sequence of {spec.seq_len}",
             hint="use more data or a shorter seq_len"))
-    return tokens, mask, bad
+    return tokens, mask, starts, bad
 
 
 # -- token files -----------------------------------------------------------------------------
@@ -208,11 +224,12 @@ def _read_tokens(path: Path, token_dtype: str, vocab_size: int
 # -- text ------------------------------------------------------------------------------------
 
 def _load_text(spec: DataConfig, path: Path, vocab_size: int, model_path: str | None
-               ) -> tuple[np.ndarray | None, np.ndarray | None, list[Violation]]:
+               ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None,
+                          list[Violation]]:
     try:
         import datasets
     except ImportError:
-        return None, None, [Violation(
+        return None, None, None, [Violation(
             "data", ("data.path",), f"reading {path.name} needs the `datasets` library, which "
             "is not installed", hint="pip install 'shardgraph[data]' "
             "(in a checkout of shardgraph: pip install -e '.[data]')")]
@@ -222,6 +239,13 @@ def _load_text(spec: DataConfig, path: Path, vocab_size: int, model_path: str | 
         bad.append(Violation("data", ("data.path",), f"directory {path} holds no "
                              f"{' or '.join(TEXT_SUFFIXES)} file",
                              hint="put .jsonl or .parquet files in it, or point data.path at one"))
+    # Tokenised once (by the launcher's checks), then memory-mapped by every rank.
+    cached = _cache_dir(files, tokenizer) if tokenizer is not None and not bad else None
+    if cached is not None and (cached / "tokens.npy").is_file():
+        tokens = np.load(cached / "tokens.npy", mmap_mode="r")
+        mask = np.load(cached / "mask.npy", mmap_mode="r") if (cached / "mask.npy").is_file() \
+            else None
+        return tokens, mask, np.load(cached / "starts.npy", mmap_mode="r"), []
     datasets.disable_progress_bars()
     tables = []
     for file in files:
@@ -231,10 +255,19 @@ def _load_text(spec: DataConfig, path: Path, vocab_size: int, model_path: str | 
         else:
             tables.append((file, table))
     if bad or tokenizer is None:
-        return None, None, bad
+        return None, None, None, bad
     eos = tokenizer.eos_token_id
-    ids, keep = [], []
-    for _, (prompts, completions) in tables:
+    ids, keep, lengths_of = [], [], []
+    for file, (prompts, completions) in tables:
+        if prompts == "messages":
+            conv_ids, conv_keep, conv_lengths, problem = _encode_chats(tokenizer, completions,
+                                                                       file)
+            if problem is not None:
+                return None, None, None, [problem]
+            ids.append(conv_ids)
+            keep.append(conv_keep)
+            lengths_of.append(conv_lengths)
+            continue
         for lo in range(0, len(completions), _ROWS_PER_CALL):
             done = _encode(tokenizer, completions[lo:lo + _ROWS_PER_CALL])
             asked = (_encode(tokenizer, prompts[lo:lo + _ROWS_PER_CALL]) if prompts is not None
@@ -244,10 +277,130 @@ def _load_text(spec: DataConfig, path: Path, vocab_size: int, model_path: str | 
             ids.append(np.fromiter(itertools.chain.from_iterable(docs), np.int32))
             lengths = np.array([[len(p), len(c) + 1] for p, c in zip(asked, done)]).reshape(-1)
             keep.append(np.repeat(np.tile([False, True], len(docs)), lengths))
+            lengths_of.append(lengths.reshape(-1, 2).sum(1))
     if not ids:
-        return np.zeros(0, np.int32), None, []
+        return np.zeros(0, np.int32), None, None, []
     mask = np.concatenate(keep)
-    return np.concatenate(ids), (None if mask.all() else mask), []
+    tokens, mask = np.concatenate(ids), (None if mask.all() else mask)
+    starts = np.zeros(len(tokens), bool)
+    starts[np.concatenate([[0], np.cumsum(np.concatenate(lengths_of))[:-1]]).astype(np.int64)] = True
+    _write_cache(cached, tokens, mask, starts)
+    return tokens, mask, starts, []
+
+
+#: bump when the tokenised layout changes: older cache entries are then never read
+_CACHE_VERSION = 2
+
+
+def _cache_dir(files: list[Path], tokenizer: Any) -> Path:
+    """Where the tokens of ``files`` under ``tokenizer`` are cached: keyed by the files' bytes
+    and the tokenizer's files (its vocabulary, chat template and settings)."""
+    import hashlib
+    import os
+    import tempfile
+
+    key = hashlib.sha256(f"v{_CACHE_VERSION}".encode())
+    for file in files:
+        key.update(file.name.encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                key.update(block)
+    with tempfile.TemporaryDirectory() as saved:  # the tokenizer as it is, loaded or not
+        tokenizer.save_pretrained(saved)
+        for name in sorted(os.listdir(saved)):
+            key.update(name.encode() + Path(saved, name).read_bytes())
+    root = os.environ.get("SHARDGRAPH_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardgraph"
+    return Path(root) / "tokens" / key.hexdigest()[:32]
+
+
+def _write_cache(where: Path, tokens: np.ndarray, mask: np.ndarray | None,
+                 starts: np.ndarray) -> None:
+    """Written aside and renamed: ranks of a bare torchrun racing here never read a half."""
+    import shutil
+    import tempfile
+
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        part = Path(tempfile.mkdtemp(prefix=where.name + ".", dir=where.parent))
+        np.save(part / "tokens.npy", tokens)
+        np.save(part / "starts.npy", starts)
+        if mask is not None:
+            np.save(part / "mask.npy", mask)
+        part.rename(where)
+    except OSError:  # another rank got there first, or no room: the tokens are in memory
+        shutil.rmtree(part, ignore_errors=True) if "part" in locals() else None
+
+
+#: the roles a chat row may hold; the loss is on ``assistant`` turns only
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _encode_chats(tokenizer: Any, conversations: list[Any], file: Path
+                  ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None,
+                             Violation | None]:
+    """Each conversation rendered by the tokenizer's chat template, EOS-terminated; the mask is
+    True on the tokens of assistant turns (what the template adds for one, with its closing
+    tokens), found by rendering each prefix of the conversation."""
+    def problem(message: str, hint: str) -> tuple[None, None, None, Violation]:
+        return None, None, None, Violation("data", ("data.path",), f"{file}: {message}",
+                                           hint=hint)
+
+    if not getattr(tokenizer, "chat_template", None):
+        return problem("rows hold 'messages' but the tokenizer has no chat template",
+                       "use a tokenizer with a chat_template (tokenizer_config.json), or give "
+                       "rows 'text' or 'prompt'/'completion'")
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    keep: list[bool] = []
+    lengths: list[int] = []
+    learned = 0
+    for row, messages in enumerate(conversations, start=1):
+        bad = _bad_messages(messages)
+        if bad:
+            return problem(f"row {row}: {bad}", "each row's 'messages' is a list of "
+                           "{\"role\": ..., \"content\": \"...\"} with role one of "
+                           f"{', '.join(ROLES)}")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+
+        def render(upto: int, prompt: bool = False) -> list[int]:
+            return list(tokenizer.apply_chat_template(
+                messages[:upto], tokenize=True, return_dict=False, add_generation_prompt=prompt))
+
+        whole = render(len(messages))
+        mask = [False] * len(whole)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            lo, hi = render(i, prompt=True) if i else [], render(i + 1)
+            if whole[:len(lo)] != lo or whole[:len(hi)] != hi:
+                return problem(f"row {row}: the chat template does not render the conversation "
+                               "turn by turn (a prefix renders differently), so its assistant "
+                               "turns cannot be found", "use a template that renders each turn "
+                               "independently of the later ones")
+            mask[len(lo):len(hi)] = [True] * (len(hi) - len(lo))
+        if not whole or whole[-1] != eos:  # packed conversations are separated by EOS
+            whole.append(eos)
+            mask.append(messages[-1]["role"] == "assistant")
+        learned += sum(mask)
+        lengths.append(len(whole))
+        ids += whole
+        keep += mask
+    if conversations and not learned:
+        return problem("no row has an assistant turn: there is nothing to learn",
+                       "the loss is on assistant turns only; add them")
+    return np.asarray(ids, np.int32), np.asarray(keep, bool), np.asarray(lengths), None
+
+
+def _bad_messages(messages: Any) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "'messages' is not a non-empty list"
+    for j, m in enumerate(messages, start=1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            return f"message {j} has no 'content' string"
+        if m.get("role") not in ROLES:
+            return f"message {j} has role {m.get('role')!r}"
+    return None
 
 
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -256,7 +409,8 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 def _read_table(file: Path) -> tuple[tuple[list[str] | None, list[str]] | None,
                                      Violation | None]:
-    """``((prompts or None, texts or completions), None)``, or ``(None, the problem)``."""
+    """``((prompts or None, texts or completions), None)``, ``(("messages", conversations),
+    None)`` for chat rows, or ``(None, the problem)``."""
     import tempfile
 
     from datasets import load_dataset
@@ -285,15 +439,19 @@ def _read_table(file: Path) -> tuple[tuple[list[str] | None, list[str]] | None,
     finally:
         quiet.setLevel(level)
     columns = set(table.column_names)
+    if "messages" in columns:
+        column = table.data.column("messages").to_pylist()
+        return ("messages", column), None
     if {"prompt", "completion"} <= columns:
         fields = ("prompt", "completion")
     elif "text" in columns:
         fields = ("text",)
     else:
         return problem(f"has neither a 'text' field nor 'prompt' and 'completion' fields "
-                       f"(fields: {', '.join(sorted(columns)) or 'none'})",
+                       f"nor 'messages' (fields: {', '.join(sorted(columns)) or 'none'})",
                        "give each row \"text\", or \"prompt\" and \"completion\" (the loss is "
-                       "then on the completion only)")
+                       "then on the completion only), or chat \"messages\" (the loss is on "
+                       "the assistant turns)")
     values = []
     for field in fields:
         kind = getattr(table.features[field], "dtype", None)

@@ -9,6 +9,7 @@ its hooks works here without a change to this file.
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import warnings
@@ -68,9 +69,31 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
             f"checkpoint.export_peft is set but no step of the plan adds adapters "
             f"(provides {ckpt.ADAPTERS!r})", hint="add [plugins.lora] (or a [peft] table), or "
             "remove export_peft (export_hf writes the whole model)"))
+    if pipeline.data.document_boundaries:
+        # their attention cannot take a per-document mask: sequence and context parallelism
+        # run causal attention over the whole (sharded) sequence, pipeline stages take tokens
+        # only
+        for step in plan.steps:
+            blind = sorted(plan.registry.get(step.plugin).provides & DOCUMENT_BLIND)
+            if blind:
+                bad.append(Violation(
+                    "data", ("data.document_boundaries", f"plugins.{step.plugin}"),
+                    f"document boundaries cannot be kept under {step.plugin} ({blind[0]}): "
+                    "its attention spans the whole packed sequence",
+                    hint=f"remove data.document_boundaries, or plan without {step.plugin}"))
+    vbatch = pipeline.validation.global_batch_size
+    if pipeline.validation.path is not None and vbatch is not None and vbatch % dp:
+        bad.append(Violation(
+            "batch", ("validation.global_batch_size", nproc_key),
+            f"validation.global_batch_size = {vbatch} cannot be split over dp = {dp} "
+            "data-parallel ranks", hint=f"use a multiple of {dp}, or leave it out"))
     if bad:
         raise PlanError(bad)
     return plan
+
+
+#: capabilities whose attention cannot keep packed documents apart
+DOCUMENT_BLIND = frozenset({"sequence_parallel", "context_parallel", "pipeline_parallel"})
 
 
 def resume_point(pipeline: Pipeline) -> Path | None:
@@ -117,10 +140,16 @@ def peak_memory_bytes() -> int:
 class Reporter:
     """Progress on rank 0: a bar on a terminal, plain lines in a log, JSON lines to a file."""
 
-    def __init__(self, total: int, metrics: str | None, log_every: int, rank: int):
+    def __init__(self, total: int, metrics: str | None, log_every: int, rank: int,
+                 tensorboard: str | None = None):
         self.total, self.log_every, self.rank = total, log_every, rank
         self.tty = sys.stdout.isatty()
         self.file = open(metrics, "a") if metrics and rank == 0 else None
+        self.board = None
+        if tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter  # the ``tensorboard`` extra
+
+            self.board = SummaryWriter(tensorboard)
 
     def step(self, row: dict[str, Any]) -> None:
         if self.rank != 0:
@@ -128,16 +157,24 @@ class Reporter:
         if self.file:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
+        if self.board:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                self.board.add_scalar(f"train/{key}", row[key], row["step"])
+            if "val_loss" in row:
+                self.board.add_scalar("val/loss", row["val_loss"], row["step"])
+                self.board.add_scalar("val/perplexity", row["val_ppl"], row["step"])
         s = row["step"]
         mem = "/".join(f"{b / 2**20:.0f}" for b in row["peak_mem_bytes_per_rank"])
         text = (f"step {s:>4}/{self.total}  loss {row['loss']:.4f}  lr {row['lr']:.3g}  "
                 f"{row['tokens_per_s']:,.0f} tok/s  {row['step_time_s'] * 1e3:.0f} ms/step  "
                 f"peak MiB per rank {mem}")
+        if "val_loss" in row:
+            text += f"  val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f})"
         if self.tty:
             done = int(20 * s / self.total)
             end = "\n" if s == self.total else ""
             print(f"\r[{'#' * done}{'.' * (20 - done)}] {text}", end=end, flush=True)
-        elif s % self.log_every == 0 or s == self.total:
+        elif s % self.log_every == 0 or s == self.total or "val_loss" in row:
             print(text, flush=True)
 
     def info(self, text: str) -> None:
@@ -147,11 +184,17 @@ class Reporter:
     def close(self) -> None:
         if self.file:
             self.file.close()
+        if self.board:
+            self.board.close()
 
 
 def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None = None,
-          on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Train on the current process group; returns the per-step rows and the final model."""
+          on_step: Callable[[dict[str, Any]], None] | None = None,
+          profile: tuple[int, int, str] | None = None) -> dict[str, Any]:
+    """Train on the current process group; returns the per-step rows and the final model.
+
+    ``profile``: ``(first, last, directory)``: a torch profiler trace of steps first..last
+    (1-based, inclusive) per rank, ``rank<R>.json`` (Chrome trace format) in the directory."""
     # A tp LM head returns its gathered logits as a view (DTensor.to_local), and FSDP2 warns
     # once per rank that an in-place op on it would skip a hook. This loop makes none; a clone
     # would cost a (batch, seq, vocab) copy every step.
@@ -176,8 +219,10 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
                          model_path=pipeline.model.path,
                          max_positions=getattr(config, "max_position_embeddings", None))
 
+    validation = Validation(pipeline, config) if pipeline.validation.path else None
+
     start = 0
-    report = Reporter(total, metrics, t.log_every, rank)
+    report = Reporter(total, metrics, t.log_every, rank, pipeline.logging.tensorboard)
     report.info(f"{pipeline.source}: {name} "
                 f"{n_params:,} parameters, {world} process{'es' if world > 1 else ''} ({dev}), "
                 f"plan: {' -> '.join(s.plugin for s in plan.steps) or 'none'}, "
@@ -202,8 +247,12 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
             "seq_len": pipeline.data.seq_len, "world_size": world,
             "plan": [s.plugin for s in plan.steps]}
     rows: list[dict[str, Any]] = []
+    saver = Saver(pipeline.checkpoint.async_, report)
     parallel.train()
+    profiler = Profiler(profile, rank, dev) if profile is not None else None
     for step in range(start, total):
+        if profiler is not None:
+            profiler.before(step + 1)
         if dev != "cpu":
             torch.cuda.synchronize()
         began = time.perf_counter()
@@ -223,28 +272,121 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
         row = {"step": step + 1, "loss": out.loss, "grad_norm": out.grad_norm, "lr": lr,
                "tokens_per_s": seq_tokens / elapsed, "step_time_s": elapsed,
                "peak_mem_bytes": max(mem), "peak_mem_bytes_per_rank": mem}
+        done = step + 1
+        if validation is not None and validation.due(done, total):
+            row.update(validation.run(parallel, dp_rank, dp_size, t.micro_batch_size))
+        if profiler is not None:
+            traced = profiler.after(done)
+            if traced is not None:
+                report.info(f"profile of steps {profile[0]}-{profile[1]}: {traced.parent}")
         rows.append(row)
         report.step(row)
         if on_step is not None:
             on_step(row)
-        done = step + 1
         c = pipeline.checkpoint
         if root is not None and ((c.every and done % c.every == 0) or done == total):
-            try:  # a directory of this step already there (incomplete, or redone) is replaced
-                path = ckpt.save(root, done, parallel.module, optimizer,
-                                 {**meta, "data_position": done * t.global_batch_size,
-                                  "lr_scheduler": scheduler.state_dict()}, c.keep)
-            except ckpt.SaveFailed as exc:
-                if done == total:
-                    raise
-                # the state in memory is intact: train on, the next save tries again
-                report.info(f"warning: {exc}")
-            else:
-                report.info(f"saved {path}")
+            saver.wait()  # at most one save in flight
+            # a directory of this step already there (incomplete, or redone) is replaced
+            saver.start(root, done, parallel.module, optimizer,
+                        {**meta, "data_position": done * t.global_batch_size,
+                         "lr_scheduler": scheduler.state_dict()}, c.keep, last=done == total)
+            if not c.async_ or done == total:
+                saver.wait(last=done == total)
+    saver.wait(last=True)
     for out in ckpt.export(parallel, pipeline.model, pipeline.checkpoint):
         report.info(f"exported {out}")
     report.close()
     return {"rows": rows, "model": parallel, "optimizer": optimizer, "plan": plan, "ctx": ctx}
+
+
+class Profiler:
+    """A torch profiler over steps ``first..last``, one Chrome trace per rank."""
+
+    def __init__(self, profile: tuple[int, int, str], rank: int, dev: str):
+        self.first, self.last, where = profile
+        self.path = Path(where) / f"rank{rank}.json"
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if dev == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+        self.on = False
+
+    def before(self, step: int) -> None:
+        if step == self.first or (step > self.first and step <= self.last and not self.on):
+            self.prof.start()  # also when a resumed run starts inside the range
+            self.on = True
+
+    def after(self, step: int) -> Path | None:
+        if not self.on or step != self.last:
+            return None
+        self.prof.stop()
+        self.on = False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(self.path))
+        return self.path
+
+
+class Saver:
+    """Checkpoints saved in line, or with ``[checkpoint] async`` by DCP's ``async_save`` while
+    training goes on: at most one in flight, awaited before the next and at the end."""
+
+    def __init__(self, asynchronous: bool, report: Reporter):
+        self.asynchronous, self.report = asynchronous, report
+        self.pending: ckpt.PendingSave | None = None
+        # the writing thread's collectives get their own group: they never meet training's
+        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() \
+            else None
+
+    def start(self, *args: Any, last: bool = False) -> None:
+        try:
+            self.pending = ckpt.start(*args, group=self.group, asynchronous=self.asynchronous)
+        except ckpt.SaveFailed as exc:
+            if last:
+                raise
+            self.report.info(f"warning: {exc}")  # the next save tries again
+
+    def wait(self, last: bool = False) -> None:
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            path = ckpt.finish(pending)
+        except ckpt.SaveFailed as exc:
+            if last:
+                raise
+            # the state in memory is intact: train on, the next save tries again
+            self.report.info(f"warning: {exc}")
+        else:
+            self.report.info(f"saved {path}")
+
+
+class Validation:
+    """``[validation]``: the same batches of the held-out data at each evaluation."""
+
+    def __init__(self, pipeline: Pipeline, config: Any):
+        v, t, seq = pipeline.validation, pipeline.train, pipeline.data.seq_len
+        self.every = v.every
+        self.batch_size = v.global_batch_size or t.global_batch_size
+        self.stream = TokenStream(attrs.evolve(pipeline.data, path=v.path), config.vocab_size,
+                                  seed=t.seed, model_path=pipeline.model.path,
+                                  max_positions=getattr(config, "max_position_embeddings", None))
+        sequences = len(self.stream.tokens) // seq
+        self.steps = v.steps or max(1, -(-sequences // self.batch_size))
+
+    def due(self, done: int, total: int) -> bool:
+        return done == total or (self.every > 0 and done % self.every == 0)
+
+    def run(self, parallel: Any, dp_rank: int, dp_size: int,
+            micro_batch_size: int | None) -> dict[str, float]:
+        """The token-weighted mean loss over the batches, and its perplexity."""
+        loss, tokens = 0.0, 0
+        for i in range(self.steps):
+            batch = local_slice(self.stream.batch(i * self.batch_size, self.batch_size),
+                                dp_rank, dp_size)
+            s, n = parallel.evaluate(batch, micro_batch_size=micro_batch_size)
+            loss, tokens = loss + s, tokens + n
+        mean = loss / max(tokens, 1)
+        return {"val_loss": mean, "val_ppl": math.exp(min(mean, 700.0))}
 
 
 def _per_rank(value: int, world: int, device: torch.device) -> list[int]:

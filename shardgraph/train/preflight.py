@@ -127,8 +127,15 @@ def _data(pipeline: Pipeline, bad: list[Violation]) -> None:
             k: v for k, v in spec.config.items() if k not in refused}))
     except Exception:  # noqa: BLE001 - the model's own problem is reported by _model; with
         return  # no config there is no vocabulary to check the tokens against
-    bad += check_data(pipeline, config.vocab_size,
-                      getattr(config, "max_position_embeddings", None))
+    positions = getattr(config, "max_position_embeddings", None)
+    bad += check_data(pipeline, config.vocab_size, positions)
+    val = pipeline.validation.path
+    if val is not None and val != pipeline.data.path:  # read as [data] reads, named as its own
+        held_out = attrs.evolve(pipeline, data=attrs.evolve(pipeline.data, path=val))
+        bad += [attrs.evolve(v, keys=tuple("validation.path" if k == "data.path" else k
+                                           for k in v.keys))
+                for v in check_data(held_out, config.vocab_size, positions)
+                if "data.seq_len" not in v.keys or "data.path" in v.keys]
 
 
 def checkpoint_bytes(pipeline: Pipeline, model_bytes: int) -> int:

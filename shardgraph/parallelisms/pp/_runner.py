@@ -113,7 +113,14 @@ class Pipeline:
 
         return self._run(inputs, labels, scaled, scale_grads=True) / n
 
-    def _run(self, inputs, targets, loss_fn, *, scale_grads: bool) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 loss_fn: Callable) -> torch.Tensor:
+        """The ``StepRunner``'s forward only pass (validation): the schedule's ``eval``; the
+        sum of ``loss_fn``, the same on every rank of the pipeline."""
+        return self._run(inputs, labels, loss_fn, scale_grads=False, forward_only=True)
+
+    def _run(self, inputs, targets, loss_fn, *, scale_grads: bool,
+             forward_only: bool = False) -> torch.Tensor:
         mbs = self.options.microbatch_size
         bad = self._rules(inputs.shape[0])
         if bad:
@@ -126,7 +133,9 @@ class Pipeline:
         self._steps += 1
         with _FailureWatch(self, self._steps) as watch:
             try:
-                self._schedule(n, scale_grads).step(*args, target=target, losses=losses)
+                schedule = self._schedule(n, scale_grads)
+                run = schedule.eval if forward_only else schedule.step
+                run(*args, target=target, losses=losses)
             except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
                 watch.failed(exc)
         loss = torch.zeros((), dtype=torch.float32)
