@@ -17,8 +17,8 @@ from tests import _dist
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 #: examples whose model and data a README block makes first: tests/test_finetune_example.py,
-#: tests/test_lora_finetune.py
-MADE_BY_README = {"finetune_local_hf", "lora_finetune"}
+#: tests/test_lora_finetune.py, tests/test_recipes.py
+MADE_BY_README = {"finetune_local_hf", "lora_finetune", "recipe_sft"}
 FILES = sorted(p for p in EXAMPLES.glob("*.toml") if p.stem not in MADE_BY_README)
 #: compile only: CUDA-only packages, 8 ranks, or shapes far too large for a CPU
 COMPILE_ONLY = {"megatron_fsdp", "pp_tp_fsdp2_3d", "llama3_70b_dryrun", "mixtral_8x7b_ep_dryrun"}

@@ -341,3 +341,42 @@ def test_document_boundaries_are_refused_where_attention_spans_the_sequence(
         loads_pipeline(BASE.format(train="", extra="").replace(
             "[data]", "[data]\ndocument_boundaries = true"))
     assert "data.document_boundaries" in err.value.keys
+
+
+# -- examples/recipe_sft.toml, with the files the README makes -------------------------------
+
+def test_readme_files_then_the_sft_recipe_trains(tmp_path, monkeypatch):
+    import re
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from shardgraph.train import checkpoint as ckpt
+    from shardgraph.train import load_pipeline
+    from shardgraph.train.data import TokenStream
+    from shardgraph.train.loop import compile_for
+    from shardgraph.train.preflight import check
+
+    root = Path(__file__).parents[1]
+    blocks = re.findall(r"```python notest\n(.*?)```", (root / "README.md").read_text(), re.S)
+    (block,) = [b for b in blocks if "sft/tiny-llama" in b]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    example = load_pipeline(root / "examples" / "recipe_sft.toml")
+    assert [s.plugin for s in compile_for(example, 2).steps] == \
+        ["activation_checkpointing", "fsdp2"]
+    assert check(example, 2) is None  # every check before launch passes; nothing to resume
+    # the loss is on the answers (and the EOS closing them) only
+    stream = TokenStream(example.data, 64, seed=0, model_path=example.model.path)
+    tok = AutoTokenizer.from_pretrained("sft/tiny-llama")
+    learned = tok.decode(np.asarray(stream.tokens)[np.asarray(stream.mask)]).split()
+    assert learned[:6] == ["0", "<eos>", "3", "<eos>", "6", "<eos>"]  # 0+0, 0+3, 0+6
+    one = attrs.evolve(example, graph=type(example.graph)())  # one process, the same recipe
+    rows = train(one, steps=12)["rows"]
+    factor = lr_factor(example.train)
+    assert [r["lr"] for r in rows] == pytest.approx([0.003 * factor(s) for s in range(12)])
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 12]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    assert [p.name for p in ckpt.complete_checkpoints(Path("checkpoints/sft"))] == \
+        ["step_00000010", "step_00000012"]
+    assert list(Path("runs/sft").glob("events.out.tfevents.*"))
