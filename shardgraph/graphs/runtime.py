@@ -172,16 +172,23 @@ class ParallelModel:
         if self.runner is not None:
             with _outputs_read_out_of_place():
                 return self.runner.run(input_ids, labels, loss_fn).detach()
-        inputs = self.prepare_batch({"input_ids": input_ids, "shift_labels": labels,
-                                     **_positions(position_ids)})
-        local = inputs.pop("shift_labels")
-        inputs = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")}
+        inputs, local = self._model_inputs(input_ids, labels, position_ids)
         with self.loss_context(), _outputs_read_out_of_place():
             out = self.module(**inputs)
             loss = loss_fn(getattr(out, "logits", out), local)
             loss.backward()
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _model_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                      position_ids: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor]:
+        """The module's keyword arguments for this rank's share of a micro-batch (the
+        ``prepare_batch`` hooks), and the labels of that share."""
+        inputs = self.prepare_batch({"input_ids": input_ids, "shift_labels": labels,
+                                     **_positions(position_ids)})
+        local = inputs.pop("shift_labels")
+        return {k: v for k, v in inputs.items()
+                if k not in ("labels", "num_items_in_batch")}, local
 
     def grad_norm(self) -> torch.Tensor:
         """The global 2-norm of all gradients, each element counted once whatever the layout.
@@ -243,7 +250,8 @@ class ParallelModel:
             return token_loss(output, target) * scale
 
         size = micro_batch_size or input_ids.shape[0]
-        chunks = list(zip(input_ids.split(size), labels.split(size), _split(batch, size)))
+        chunks = list(zip(input_ids.split(size), labels.split(size),
+                          _split(batch, size, self.ctx.device)))
         loss = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for i, (ids, lab, pos) in enumerate(chunks):
             self.gradient_sync(i == len(chunks) - 1)
@@ -278,16 +286,12 @@ class ParallelModel:
         try:
             with torch.no_grad():
                 for ids, lab, pos in zip(input_ids.split(size), labels.split(size),
-                                         _split(batch, size)):
+                                         _split(batch, size, self.ctx.device)):
                     if self.runner is not None:
                         loss = self.runner.evaluate(ids, lab, loss_fn)
                     else:
-                        inputs = self.prepare_batch({"input_ids": ids, "shift_labels": lab,
-                                                     **_positions(pos)})
-                        local = inputs.pop("shift_labels")
-                        inputs = {k: v for k, v in inputs.items()
-                                  if k not in ("labels", "num_items_in_batch")}
-                        with self.loss_context():
+                        inputs, local = self._model_inputs(ids, lab, pos)
+                        with self.loss_context(), _outputs_read_out_of_place():
                             out = self.module(**inputs)
                             loss = loss_fn(getattr(out, "logits", out), local)
                         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -298,11 +302,12 @@ class ParallelModel:
         return float(self._sum(total, self._group(Axis.DP, Axis.CP))), int(count)
 
 
-def _split(batch: Mapping[str, Any], size: int) -> list[torch.Tensor | None]:
+def _split(batch: Mapping[str, Any], size: int, device: torch.device
+           ) -> list[torch.Tensor | None]:
     """The micro-batches of the batch's ``position_ids`` (None for each where it has none)."""
     pos = batch.get("position_ids")
     n = -(-batch["input_ids"].shape[0] // size)
-    return [None] * n if pos is None else list(pos.split(size))
+    return [None] * n if pos is None else list(pos.to(device).split(size))
 
 
 def _positions(position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
