@@ -24,8 +24,12 @@ with ``input_ids`` as transformers takes them (the loss shifts them by one) and 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -295,10 +299,6 @@ _CACHE_VERSION = 2
 def _cache_dir(files: list[Path], tokenizer: Any) -> Path:
     """Where the tokens of ``files`` under ``tokenizer`` are cached: keyed by the files' bytes
     and the tokenizer's files (its vocabulary, chat template and settings)."""
-    import hashlib
-    import os
-    import tempfile
-
     key = hashlib.sha256(f"v{_CACHE_VERSION}".encode())
     for file in files:
         key.update(file.name.encode())
@@ -317,9 +317,7 @@ def _cache_dir(files: list[Path], tokenizer: Any) -> Path:
 def _write_cache(where: Path, tokens: np.ndarray, mask: np.ndarray | None,
                  starts: np.ndarray) -> None:
     """Written aside and renamed: ranks of a bare torchrun racing here never read a half."""
-    import shutil
-    import tempfile
-
+    part = None
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         part = Path(tempfile.mkdtemp(prefix=where.name + ".", dir=where.parent))
@@ -329,7 +327,8 @@ def _write_cache(where: Path, tokens: np.ndarray, mask: np.ndarray | None,
             np.save(part / "mask.npy", mask)
         part.rename(where)
     except OSError:  # another rank got there first, or no room: the tokens are in memory
-        shutil.rmtree(part, ignore_errors=True) if "part" in locals() else None
+        if part is not None:
+            shutil.rmtree(part, ignore_errors=True)
 
 
 #: the roles a chat row may hold; the loss is on ``assistant`` turns only
