@@ -229,7 +229,8 @@ def _schedule_rules(train: TrainConfig, need) -> None:
     need(train.warmup_steps <= train.steps, "train.warmup_steps",
          f"warmup_steps = {train.warmup_steps} is longer than the run (steps = {train.steps})",
          f"use warmup_steps <= {train.steps}")
-    need(0 <= train.min_lr <= train.lr, "train.min_lr",
+    # (an lr that is itself refused says nothing about min_lr)
+    need(train.lr <= 0 or 0 <= train.min_lr <= train.lr, "train.min_lr",
          f"min_lr = {train.min_lr} is not between 0 and lr = {train.lr}",
          "the decay ends at min_lr: use 0 <= min_lr <= lr")
     if kind != "wsd":
