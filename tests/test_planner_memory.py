@@ -132,3 +132,24 @@ def test_local_config_json_is_read_without_transformers(tmp_path):
     shape = model_shape(pipeline.model)
     assert (shape.architecture, shape.head_dim, shape.vocab, shape.qk_norm) == \
         ("Qwen3ForCausalLM", 32, 500, True)
+
+
+def test_lora_leaves_gradients_and_optimizer_state_to_the_adapters():
+    """A LoRA plan is priced with the adapters' share of gradients and AdamW state, bounded
+    from above by 2 r / hidden; the parameters stay whole."""
+    from shardgraph import Graph
+    from shardgraph.planner.memory import trainable_share
+    from shardgraph.planner.shape import shape_from_values
+    from shardgraph.planner.view import Setup
+
+    shape = shape_from_values("LlamaForCausalLM", {**TINY, "hidden_size": 1024,
+                                                   "intermediate_size": 2816}, "fp32")
+    setup = Setup(seq_len=64, global_batch=4, micro_batch=None, optimizer_states=2)
+    full = plan_view(Graph().add("fsdp2").compile(world_size=4))
+    lora = plan_view(Graph().add("lora", rank=8, match_all_linear=True).add("fsdp2")
+                     .compile(world_size=4))
+    assert trainable_share(shape, lora) == 2 * 8 / 1024
+    a, b = state_bytes(shape, full, setup)[0], state_bytes(shape, lora, setup)[0]
+    assert b["params"] == a["params"]
+    assert b["optimizer"] == int(a["optimizer"] * 16 / 1024)
+    assert b["grads"] < a["grads"] / 50

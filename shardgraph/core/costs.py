@@ -95,6 +95,8 @@ class Cost:
     ``memory_bytes``: memory the step adds on every rank.
     ``loss_chunk_tokens``: the loss holds the logits of at most this many tokens at once, and
     the model's output is the LM head's input (0: the logits of a whole micro-batch).
+    ``adapter_rank``: only low-rank adapters of this rank train (LoRA): gradients and optimizer
+    state exist for them alone (0: every parameter trains).
     """
 
     states: str | None = attrs.field(
@@ -116,5 +118,6 @@ class Cost:
     activation_scale: float = 1.0
     memory_bytes: float = 0.0
     loss_chunk_tokens: int = 0
+    adapter_rank: int = 0
     comms: tuple[Comm, ...] = ()
     pipeline: PipelineCost | None = None

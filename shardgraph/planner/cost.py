@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from .gpus import GPU
-from .memory import held_numel, microbatches, stage_layers
+from .memory import held_numel, microbatches, stage_layers, trainable_share
 from .shape import ModelShape, layer_kind
 from .view import PlanView, Setup
 
@@ -297,7 +297,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         add("pp", one * pp_sends(v, n_micro, n_chunks))
         bubble = bubble_share(v, n_micro, n_chunks) * compute
     # optimizer: reads parameters, gradients, states; writes parameters and states
-    local = held_numel(shape, held, v) * shape.param_bytes
+    local = held_numel(shape, held, v) * shape.param_bytes * trainable_share(shape, v)
     states = setup.optimizer_states
     optimizer = local * (3 + 2 * states) / gpu.hbm_bw
     total = compute + sum(exposed.values()) + bubble + optimizer

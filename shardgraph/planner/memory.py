@@ -110,15 +110,24 @@ def held_numel(shape: ModelShape, held: Held, v: PlanView, experts: bool | None 
     return sum(n * _kind_numel(shape, kind, v, experts) for kind, n in held.kinds)
 
 
+def trainable_share(shape: ModelShape, v: PlanView) -> float:
+    """The share of the parameters that hold gradients and optimizer state. With LoRA of rank r
+    on a block's linears (d_in x d_out) the adapters add r (d_in + d_out), at most 2 r / hidden
+    of the weight they adapt; embeddings and head stay frozen: 2 r / hidden bounds it from
+    above (the safe side for "will it fit")."""
+    return min(1.0, 2 * v.adapter_rank / shape.hidden) if v.adapter_rank else 1.0
+
+
 def state_bytes(shape: ModelShape, v: PlanView, setup: Setup) -> list[dict[str, int]]:
     """params / grads / optimizer bytes on each pp rank (rank 0 of its other groups)."""
     out, seen = [], {}
+    share = trainable_share(shape, v)
     for held, _ in stage_layers(shape, v):
         if held not in seen:
             n = held_numel(shape, held, v)
             b = n * shape.param_bytes
-            seen[held] = {"params": b, "grads": b, "optimizer": setup.optimizer_states * b,
-                          "numel": n}
+            seen[held] = {"params": b, "grads": int(b * share),
+                          "optimizer": int(setup.optimizer_states * b * share), "numel": n}
         out.append(seen[held])
     return out
 
@@ -251,7 +260,7 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
     # (``backward_maybe_with_nosync``), whatever the strategy's own setting
     defer = v.defer_grad_sync or v.pp > 1
     grads = dense * reduce if defer and n_micro > 1 else block * reduce
-    return float(params + grads)
+    return float(params + grads * trainable_share(shape, v))
 
 
 def _unsharded(v: PlanView) -> PlanView:

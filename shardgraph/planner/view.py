@@ -58,6 +58,7 @@ class PlanView:
     memory_bytes: float = 0.0
     #: the loss computes the logits of at most this many tokens at once (0: a micro-batch's)
     loss_chunk_tokens: int = 0
+    adapter_rank: int = 0
     #: gradient reductions overlap backward (torch's DDP and FSDP2; Megatron-LM 2021 did not)
     overlap_grad_reduce: bool = True
     #: attention without materialised scores (flash attention, torch's SDPA)
@@ -146,7 +147,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         unknown=unknown, pipeline=pipe, comms=cost.comms, recompute=cost.recompute,
         attention_imbalance=cost.attention_imbalance, compute_speedup=cost.compute_speedup,
         activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
-        loss_chunk_tokens=cost.loss_chunk_tokens,
+        loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,
         overlap_grad_reduce=cost.overlap_grad_reduce is not False,
         fused_elementwise=cost.fused_elementwise)
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ...core.blocks import output_embeddings
+from ...core.costs import Cost
 from ...core.errors import Violation, did_you_mean
 from ...core.lazy import lazy_module
 from ...core.values import Applied, LowRankAdapters
@@ -188,6 +189,12 @@ def _apply(model: nn.Module, options: LoRAOptions, ctx: MeshContext, inputs: dic
     return Applied(model, values={"low_rank_adapters": value})
 
 
+def _cost(options: LoRAOptions, layout) -> Cost:
+    # the planner bounds the adapters' share from the rank (core.costs.Cost.adapter_rank); the
+    # weight-gradient matmuls the frozen base skips in backward are not priced
+    return Cost(adapter_rank=options.rank)
+
+
 PLUGIN = Plugin(
     name="lora",
     kind=Kind.POLICY,
@@ -200,5 +207,6 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     keeps_fqns=False,  # adds the adapters' parameters (the base's keep their names)
+    cost=_cost,
     doc="LoRA: frozen base, low-rank adapters on the targeted linears (peft's init and keys)",
 )
