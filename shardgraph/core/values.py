@@ -154,16 +154,18 @@ class Applied:
 @runtime_checkable
 class StepRunner(Protocol):
     """Capability ``pipeline_parallel``: a value that runs forward and backward over
-    micro-batches itself (pp's schedule). These two methods are all the runtime calls.
+    micro-batches itself (pp's schedule). These four methods are all the runtime calls.
 
-    ``run(inputs, labels, loss_fn) -> loss`` gets this rank's whole local batch (input ids and
-    labels already shifted), calls ``loss_fn(logits, labels)`` per micro-batch where the logits
-    are computed, leaves the gradients in ``.grad`` and returns the sum of ``loss_fn``'s values
-    on this rank (zero where no stage computes a loss).
+    ``run(inputs, labels, loss_fn, **kwargs) -> loss`` gets this rank's whole local batch (input
+    ids and labels already shifted, as ``prepare_batch`` left them; ``kwargs``: the other
+    per-sequence model inputs it added, cp's ``position_ids``), calls ``loss_fn(logits,
+    labels)`` per micro-batch where the logits are computed, leaves the gradients in ``.grad``
+    and returns the sum of ``loss_fn``'s values on this rank (zero where no stage computes one).
     """
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor,
-            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
+            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+            **kwargs: torch.Tensor) -> torch.Tensor: ...
 
     def parts(self) -> list[nn.Module]:
         """The modules it runs (the stages this rank holds)."""
@@ -173,6 +175,16 @@ class StepRunner(Protocol):
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """As ``run``, forward only (called under ``torch.no_grad``): no gradient is touched;
         the sum of ``loss_fn``'s values, the same on every rank of the pipeline."""
+        ...
+
+    def reduce_grads(self) -> None:
+        """Called once per step after the last ``run``, before the gradient norm: complete
+        the gradients (sum those of a weight two ranks hold, e.g. tied embeddings)."""
+        ...
+
+    def mirrors(self) -> list[nn.Parameter]:
+        """Parameters whose gradient, after ``reduce_grads``, equals another rank's copy:
+        counted once in the global norm."""
         ...
 
 

@@ -8,10 +8,11 @@ holds), the parts a step runs (one, or a pipeline's stages) and the values the s
    that count are summed over the data-parallel ranks (``count``);
 2. each micro-batch is reshaped by the plugins that declare ``prepare_batch`` (cp keeps its part
    of every sequence), run forward and backward inside the plugins' ``loss_context`` (tp's
-   ``loss_parallel``), or handed whole to a ``StepRunner`` value (pp's schedule); gradient
-   reduction happens on the last micro-batch only (``grad_sync``); the token losses are the
-   ``loss`` hook's (a loss computed from the LM head's input, chunk by chunk), else the
-   cross-entropy of the logits;
+   ``loss_parallel``), or handed whole to a ``StepRunner`` value (pp's schedule, whose own
+   microbatches are the accumulation); gradient reduction happens on the last micro-batch only
+   (``grad_sync``), and a runner completes its gradients once (``reduce_grads``); the token
+   losses are the ``loss`` hook's (a loss computed from the LM head's input, chunk by chunk),
+   else the cross-entropy of the logits;
 3. the loss of a micro-batch is its token losses' sum times ``B / count``, B being the ranks
    that hold distinct tokens (dp x cp), over which the strategy averages gradients: the
    gradients are those of the token-weighted mean over the global batch, whatever the layout,
@@ -169,10 +170,11 @@ class ParallelModel:
         """Forward and backward of one micro-batch (already shifted labels); returns the sum of
         ``loss_fn`` on this rank, detached. ``position_ids`` (packed documents) go to the
         model."""
-        if self.runner is not None:
-            with _outputs_read_out_of_place():
-                return self.runner.run(input_ids, labels, loss_fn).detach()
         inputs, local = self._model_inputs(input_ids, labels, position_ids)
+        if self.runner is not None:
+            ids = inputs.pop("input_ids")
+            with _outputs_read_out_of_place():
+                return self.runner.run(ids, local, loss_fn, **inputs).detach()
         with self.loss_context(), _outputs_read_out_of_place():
             out = self.module(**inputs)
             loss = loss_fn(getattr(out, "logits", out), local)
@@ -201,9 +203,10 @@ class ParallelModel:
         device = self.ctx.device
         layouts: dict[Any, torch.Tensor] = {}
         square = torch.zeros((), dtype=torch.float32, device=device)
+        mirrors = {id(p) for p in self.runner.mirrors()} if self.runner is not None else set()
         for p in self.module.parameters():
             g = p.grad
-            if g is None:
+            if g is None or id(p) in mirrors:  # another rank's copy counts it
                 continue
             if isinstance(g, DTensor):
                 key = (g.device_mesh, tuple(g.placements))
@@ -250,12 +253,17 @@ class ParallelModel:
             return token_loss(output, target) * scale
 
         size = micro_batch_size or input_ids.shape[0]
+        if self.runner is not None:
+            # its schedule's microbatches are the accumulation: one pass, one reduction
+            size = input_ids.shape[0]
         chunks = list(zip(input_ids.split(size), labels.split(size),
                           _split(batch, size, self.ctx.device)))
         loss = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for i, (ids, lab, pos) in enumerate(chunks):
             self.gradient_sync(i == len(chunks) - 1)
             loss += self.forward_backward(ids, lab, loss_fn, pos).float().reshape(())
+        if self.runner is not None:
+            self.runner.reduce_grads()
         loss = self._sum(loss, self._group(Axis.DP, Axis.CP)) / ranks
         norm = self.grad_norm()
         if grad_clip > 0:
@@ -280,6 +288,8 @@ class ParallelModel:
         loss_fn = self.token_loss()  # the summed token losses, as a step computes them
 
         size = micro_batch_size or input_ids.shape[0]
+        if self.runner is not None:  # its schedule cuts the batch into microbatches itself
+            size = input_ids.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         was_training = self.module.training
         self.module.eval()
@@ -287,10 +297,11 @@ class ParallelModel:
             with torch.no_grad():
                 for ids, lab, pos in zip(input_ids.split(size), labels.split(size),
                                          _split(batch, size, self.ctx.device)):
+                    inputs, local = self._model_inputs(ids, lab, pos)
                     if self.runner is not None:
-                        loss = self.runner.evaluate(ids, lab, loss_fn)
+                        ids = inputs.pop("input_ids")
+                        loss = self.runner.evaluate(ids, local, loss_fn, **inputs)
                     else:
-                        inputs, local = self._model_inputs(ids, lab, pos)
                         with self.loss_context(), _outputs_read_out_of_place():
                             out = self.module(**inputs)
                             loss = loss_fn(getattr(out, "logits", out), local)

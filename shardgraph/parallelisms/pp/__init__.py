@@ -226,7 +226,10 @@ def _model_check(model, options: PPOptions, ctx) -> list[Violation]:
     from ._split import model_violations
 
     sched = schedule(options.schedule)
-    return model_violations(model, options, sched) if sched is not None else []
+    if sched is None:
+        return []
+    lay = ctx.layout
+    return model_violations(model, options, sched, wrapped=lay.dp * lay.cp > 1)
 
 
 def _apply(model, options: PPOptions, ctx, inputs):

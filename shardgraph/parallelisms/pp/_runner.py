@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.tensor import DTensor
 
-from ...core.errors import PlanError
+from ...core.errors import PlanError, Violation
 from ._split import placement, tag_stage
 
 
@@ -25,6 +27,54 @@ class PipelineStageError(RuntimeError):
         super().__init__(message)
         self.stage = stage
         self.rank = rank
+
+
+class TiedWeights:
+    """A weight held by the first and the last stage on two ranks (an input embedding tied to
+    the LM head): each copy gets the gradient of its own use; ``reduce`` sums them over the
+    embedding group, so both copies see the one-process gradient and, after identical
+    optimizer steps, stay equal. The copies are found by FQN at every step: the steps after pp
+    (fully_shard, tp) replace the parameters.
+    """
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...], group: dist.ProcessGroup,
+                 mirror: bool):
+        self.model, self.names, self.group = model, names, group
+        #: this rank's copy is the last stage's, a mirror of the first stage's
+        self.mirror = mirror
+        self._checked = False
+
+    def params(self) -> list[nn.Parameter]:
+        return [self.model.get_parameter(n) for n in self.names]
+
+    def reduce(self) -> None:
+        locals_ = []
+        for name, p in zip(self.names, self.params()):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad
+            if isinstance(g, DTensor) and g.placements != p.placements:
+                # a vocabulary-parallel embedding's gradient may come back replicated
+                g = p.grad = g.redistribute(p.device_mesh, p.placements)
+            locals_.append((name, g.to_local() if isinstance(g, DTensor) else g,
+                            str(getattr(g, "placements", ""))))
+        if not self._checked:
+            self._check([(n, tuple(t.shape), pl) for n, t, pl in locals_])
+        for _, local, _ in locals_:
+            # Both copies are laid out alike (checked once), so their local pieces hold the same
+            # elements and summing them sums the full gradients.
+            dist.all_reduce(local, group=self.group)
+
+    def _check(self, layout: list) -> None:
+        got: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(got, layout, group=self.group)
+        if any(g != got[0] for g in got):
+            raise PlanError([Violation(
+                "model", ("plugins.pp",),
+                f"the tied weight is laid out differently on the first and the last stage: "
+                f"{got}", hint="give the embedding and the LM head styles that split the "
+                "weight the same way (plugins.tp.plan), or untie them", plugin="pp")])
+        self._checked = True
 
 
 class Pipeline:
@@ -38,17 +88,21 @@ class Pipeline:
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], n_stages: int,
                  options: Any, schedule: Any, ctx: Any,
-                 microbatch_rules: Callable[[int], list]):
+                 microbatch_rules: Callable[[int], list], tied: TiedWeights | None = None):
         self.stages = stages
+        self.tied = tied
         self.stage_ids = stage_ids
         self.n_stages = n_stages
         self.options = options
         self.schedule_spec = schedule
         self._ctx = ctx
         self._rules = microbatch_rules
-        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
+        self.built = 0  # schedules built so far (one per distinct batch shape)
         self._loss_fn: Callable | None = None
         self._steps = 0
+
+    KEEP = 8
 
     def __repr__(self) -> str:
         return f"Pipeline(stages {self.stage_ids} of {self.n_stages}, {self.options.schedule})"
@@ -69,10 +123,30 @@ class Pipeline:
         """This rank's stage modules: what a step runs, each a root of its own."""
         return list(self.stages)
 
-    def _schedule(self, n_microbatches: int, scale_grads: bool | None = None):
-        scale = self.options.scale_grads_in_schedule if scale_grads is None else scale_grads
-        if (n_microbatches, scale) in self._schedules:
-            return self._schedules[n_microbatches, scale]
+    def reduce_grads(self) -> None:
+        """Complete the gradients after the last ``run`` of a step: a weight tied across the
+        first and last stage gets the sum of both stages' gradients on both ranks."""
+        if self.tied is not None:
+            self.tied.reduce()
+
+    def mirrors(self) -> list[nn.Parameter]:
+        """Parameters that copy another pipeline rank's (the last stage's share of a tied
+        embedding): after ``reduce_grads`` their gradients are the peer's, counted once."""
+        return self.tied.params() if self.tied is not None and self.tied.mirror else []
+
+    def _schedule(self, n_microbatches: int, scale_grads: bool, shape: tuple[int, ...]):
+        """The schedule for batches of ``shape``, built at its first use and kept.
+
+        torch's stages infer the shapes they send and receive from the first microbatch they
+        run and keep them: a batch of another length needs stages of its own (new
+        ``PipelineStage`` wrappers of the same modules; gradients and parameters are
+        untouched). The last ``KEEP`` shapes are kept, so a few recurring lengths (buckets)
+        build nothing after their first step.
+        """
+        key = (n_microbatches, scale_grads, shape)
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
         group = self.pp_group
         stages = [
             PipelineStage(part, stage_index=s, num_stages=self.n_stages,
@@ -80,12 +154,16 @@ class Pipeline:
             for part, s in zip(self.stages, self.stage_ids)
         ]
         cls = getattr(torch_schedules, self.schedule_spec.torch_class)
-        common = dict(n_microbatches=n_microbatches, loss_fn=self._call_loss, scale_grads=scale)
+        common = dict(n_microbatches=n_microbatches, loss_fn=self._call_loss,
+                      scale_grads=scale_grads)
         if self.schedule_spec.stages_per_rank == 1:
             schedule = cls(stages[0], **common)
         else:
             schedule = cls(stages, **common)
-        self._schedules[n_microbatches, scale] = schedule
+        self._schedules[key] = schedule
+        self.built += 1
+        while len(self._schedules) > self.KEEP:
+            self._schedules.popitem(last=False)
         return schedule
 
     def _call_loss(self, output, target):
@@ -95,10 +173,12 @@ class Pipeline:
             tag_stage(exc, self.n_stages - 1)
             raise
 
-    def run(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: Callable,
+            **kwargs: torch.Tensor) -> torch.Tensor:
         """The ``StepRunner`` of ``ParallelModel.step``: forward and backward of every
         microbatch of ``inputs``; ``loss_fn`` (already normalised by the caller) is summed; the
-        sum is the same on every rank of the pipeline.
+        sum is the same on every rank of the pipeline. ``kwargs`` (cp's ``position_ids``) are
+        split into microbatches with the inputs and given to every stage.
 
         With ``scale_grads_in_schedule`` torch divides the gradients by the number of
         microbatches after backward; each microbatch's loss is multiplied by it first, so the
@@ -106,21 +186,22 @@ class Pipeline:
         """
         n = inputs.shape[0] // self.options.microbatch_size
         if not self.options.scale_grads_in_schedule:
-            return self._run(inputs, labels, loss_fn, scale_grads=False)
+            return self._run(inputs, labels, loss_fn, scale_grads=False, kwargs=kwargs)
 
         def scaled(output, target):
             return loss_fn(output, target) * n
 
-        return self._run(inputs, labels, scaled, scale_grads=True) / n
+        return self._run(inputs, labels, scaled, scale_grads=True, kwargs=kwargs) / n
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
-                 loss_fn: Callable) -> torch.Tensor:
+                 loss_fn: Callable, **kwargs: Any) -> torch.Tensor:
         """The ``StepRunner``'s forward only pass (validation): the schedule's ``eval``; the
         sum of ``loss_fn``, the same on every rank of the pipeline."""
-        return self._run(inputs, labels, loss_fn, scale_grads=False, forward_only=True)
+        return self._run(inputs, labels, loss_fn, scale_grads=False, forward_only=True,
+                         kwargs=kwargs)
 
-    def _run(self, inputs, targets, loss_fn, *, scale_grads: bool,
-             forward_only: bool = False) -> torch.Tensor:
+    def _run(self, inputs, targets, loss_fn, *, scale_grads: bool, forward_only: bool = False,
+             kwargs: dict | None = None) -> torch.Tensor:
         mbs = self.options.microbatch_size
         bad = self._rules(inputs.shape[0])
         if bad:
@@ -133,9 +214,9 @@ class Pipeline:
         self._steps += 1
         with _FailureWatch(self, self._steps) as watch:
             try:
-                schedule = self._schedule(n, scale_grads)
+                schedule = self._schedule(n, scale_grads, tuple(inputs.shape))
                 run = schedule.eval if forward_only else schedule.step
-                run(*args, target=target, losses=losses)
+                run(*args, target=target, losses=losses, **(kwargs or {}))
             except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
                 watch.failed(exc)
         loss = torch.zeros((), dtype=torch.float32)

@@ -141,8 +141,9 @@ def n_stages_of(options, sched, n_layers: int | None) -> int:
     return options.size * (options.stages_per_rank or sched.stages_per_rank)
 
 
-def model_violations(model: nn.Module, options, sched) -> list[Violation]:
-    """Everything about the model that stops the split; checked before the model changes."""
+def model_violations(model: nn.Module, options, sched, wrapped: bool = False) -> list[Violation]:
+    """Everything about the model that stops the split; checked before the model changes.
+    ``wrapped``: each stage becomes a data-parallel root of its own (dp x cp > 1)."""
     plan = read_plan(model)
     where = ("plugins.pp",)
     if plan is None and options.stages is not None:
@@ -157,14 +158,27 @@ def model_violations(model: nn.Module, options, sched) -> list[Violation]:
             "'lm_head']]", plugin="pp",
         )]
     bad = []
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False) or _tied(model, plan):
+    tied = tied_modules(model, plan)
+    if tied and wrapped and sched.v_shape:
         bad.append(Violation(
-            "model", where,
-            "the input and output embeddings are tied (one weight on the first and the last "
-            "stage); a pipeline cannot hold one parameter on two stages",
-            hint="build the model with tie_word_embeddings=False, or drop pp", plugin="pp",
-        ))
+            "model", ("plugins.pp.schedule",),
+            f"{options.schedule} puts the first and the last stage on one rank, and both use "
+            f"the tied weight of {list(tied)}; a data-parallel wrap makes each stage a root of "
+            "its own, and one parameter cannot be sharded by two roots",
+            hint="choose a looped schedule (1f1b, interleaved_1f1b, zero_bubble), or untie the "
+            "embeddings (tie_word_embeddings=False)", plugin="pp"))
+    for name in tied:
+        module = model.get_submodule(name)
+        shared = _shared_with_last(model, plan)
+        own = [n for n, p in module.named_parameters() if id(p) not in shared]
+        if own:
+            # the last stage would hold a copy of these too, never trained there
+            bad.append(Violation(
+                "model", where,
+                f"{name!r} shares some parameters with the last stage (tied embeddings) but "
+                f"not {own}; a module is tied to the last stage whole or not at all",
+                hint="tie the whole module, or untie it (tie_word_embeddings=False)",
+                plugin="pp"))
     n = n_stages_of(options, sched, plan.n_layers)
     if options.stages is None and n > plan.n_layers:
         bad.append(Violation(
@@ -188,10 +202,17 @@ def model_violations(model: nn.Module, options, sched) -> list[Violation]:
     return bad
 
 
-def _tied(model: nn.Module, plan: PipelinePlan) -> bool:
-    first = {id(p) for n in plan.first for p in model.get_submodule(n).parameters()}
-    return any(id(p) in first for n in plan.last + plan.head
-               for p in model.get_submodule(n).parameters())
+def _shared_with_last(model: nn.Module, plan: PipelinePlan) -> set[int]:
+    return {id(p) for n in plan.last + plan.head for p in model.get_submodule(n).parameters()}
+
+
+def tied_modules(model: nn.Module, plan: PipelinePlan) -> tuple[str, ...]:
+    """First-stage modules whose parameters the last stage uses too (an input embedding tied
+    to the LM head). The rank of the last stage keeps them, sharing the weight with its head,
+    and the pipeline sums the two copies' gradients (``_runner``)."""
+    shared = _shared_with_last(model, plan)
+    return tuple(n for n in plan.first
+                 if any(id(p) in shared for p in model.get_submodule(n).parameters()))
 
 
 def _explicit_violations(model, plan: PipelinePlan, stages) -> list[Violation]:
@@ -248,7 +269,8 @@ class Elsewhere(nn.Module):
 
 
 class Stage(nn.Module):
-    """One pipeline stage: one tensor in, one tensor out.
+    """One pipeline stage: one tensor in, one tensor out (keyword inputs every stage gets,
+    such as cp's ``position_ids``, pass through to the base model).
 
     Its children are the modules of the stage (the same objects the pruned model holds), so
     a data-parallel wrap of the stage manages them. Its forward runs the model's own base
@@ -257,7 +279,8 @@ class Stage(nn.Module):
     """
 
     def __init__(self, spec: StageSpec, plan: PipelinePlan, base: nn.Module,
-                 swaps: dict[str, nn.Module | None], heads: list[tuple[str, nn.Module]]):
+                 swaps: dict[str, nn.Module | None], heads: list[tuple[str, nn.Module]],
+                 tied: list[tuple[str, nn.Module]] = ()):
         super().__init__()
         self.spec = spec
         self._keyword = plan.input_name if spec.first else plan.hidden_name
@@ -273,11 +296,15 @@ class Stage(nn.Module):
         for name, module in heads:
             self.add_module(name.replace(".", "_"), module)
         self._head_modules = [module for _, module in heads]
+        for name, module in tied:
+            # never called here: a child only so that a wrap of the stage (fully_shard) sees
+            # both modules holding the shared weight and keeps them sharing it
+            self.add_module("tied_" + name.replace(".", "_"), module)
 
-    def forward(self, x):
+    def forward(self, x, **kwargs):
         try:
             with _standing_in(self._base, self._swaps), _running():
-                out = self._base(**{self._keyword: x}, use_cache=False)
+                out = self._base(**{self._keyword: x}, **kwargs, use_cache=False)
             h = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", out)
             for head in self._head_modules:
                 h = head(h)
@@ -329,11 +356,13 @@ class _standing_in:
 
 
 def build_stages(model: nn.Module, plan: PipelinePlan, specs: list[StageSpec],
-                 mine: list[int]) -> list[Stage]:
+                 mine: list[int], tied: tuple[str, ...] = ()) -> list[Stage]:
     """Prune ``model`` to the stages in ``mine`` (in place) and return their stage modules.
 
     Layers of other ranks become ``Elsewhere`` placeholders, and the first-/last-stage modules
-    of a rank that holds no first/last stage are removed, so their memory is freed.
+    of a rank that holds no first/last stage are removed, so their memory is freed; except the
+    ``tied`` first-stage modules on the last stage's rank, which hold the weight its head
+    shares (kept under their own FQNs, so checkpoints name the weight as one process does).
     """
     prefix, base = _base(model)
     layer_list = model.get_submodule(plan.layers)
@@ -354,13 +383,14 @@ def build_stages(model: nn.Module, plan: PipelinePlan, specs: list[StageSpec],
             # the base forward still calls it: an identity off the last stage
             swaps[local] = model.get_submodule(name) if spec.last else nn.Identity()
         heads = [(n, model.get_submodule(n)) for n in plan.head] if spec.last else []
-        stages.append(Stage(spec, plan, base, swaps, heads))
+        kept = [(n, model.get_submodule(n)) for n in tied] if spec.last and not has_first else []
+        stages.append(Stage(spec, plan, base, swaps, heads, kept))
     # Prune the model itself: what remains is exactly this rank's stages.
     for i in range(len(layer_list)):
         if i not in held:
             layer_list[i] = Elsewhere(i)
     for name in plan.first:
-        if not has_first:
+        if not has_first and not (has_last and name in tied):
             _drop(base, _local(name, prefix))
     for name in plan.last:
         if not has_last:
