@@ -148,14 +148,120 @@ def _scenario(name: str, world_size: int) -> dict:
     }
 
 
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+def _shifted(ids: torch.Tensor) -> torch.Tensor:
+    return F.pad(ids[:, 1:], (0, 1), value=-100)
+
+
+def _gathered(named) -> dict[str, torch.Tensor]:
+    """``name -> tensor`` over every rank (each pipeline rank holds its stages' share)."""
+    mine = {n: full(t) for n, t in named}
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _lengths(world_size: int) -> dict:
+    """Two sequence lengths in one accumulated step (two passes, then the step's gradient
+    completion), then SGD steps whose length changes (8, 6, 8), against one process."""
+    plan = Graph().add("pp", size=2, schedule="interleaved_1f1b").compile(world_size=world_size)
+    model = tiny_llama(layers=4, tie_word_embeddings=True)
+    ref = copy.deepcopy(model)
+    parallel = plan.apply(model, plan.build_mesh("cpu"))
+    long, short = batch(4, seq=8, seed=3), batch(4, seq=6, seed=4)
+    for ids in (long, short):
+        parallel.forward_backward(ids, _shifted(ids), _token_loss)
+        _token_loss(ref(input_ids=ids).logits, _shifted(ids)).backward()
+    parallel.runner.reduce_grads()
+    got = _gathered((n, p.grad) for n, p in parallel.named_parameters())
+    grad_diff = max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+    for m in (parallel, ref):
+        for p in m.parameters():
+            p.grad = None
+    opt = torch.optim.SGD(parallel.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    loss_diff = 0.0
+    for ids in (long, short, long):
+        out = parallel.step({"input_ids": ids}, opt)
+        labels = _shifted(ids)
+        ref_loss = _token_loss(ref(input_ids=ids).logits, labels) / (labels != -100).sum()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_diff = max(loss_diff, abs(out.loss - ref_loss.item()))
+    got = _gathered(parallel.named_parameters())
+    param_diff = max((got[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    return {"grad_diff": grad_diff, "loss_diff": loss_diff, "param_diff": param_diff,
+            "built": parallel.runner.built}
+
+
+def _v_tied(world_size: int) -> dict:
+    """Tied embeddings under a V: the first and the last stage on one rank share the weight
+    itself; no embedding group, the schedule's backward sums both uses."""
+    plan = Graph().add("pp", size=2, schedule="v_schedule").compile(world_size=world_size)
+    model = tiny_llama(layers=4, tie_word_embeddings=True)
+    tokens = batch(global_batch=4)
+    ref_loss, ref_params = reference(model, tokens, 1)
+    parallel = plan.apply(model, plan.build_mesh("cpu"))
+    loss = parallel.step(tokens, torch.optim.SGD(parallel.parameters(), lr=LR)).loss
+    diff = max((full(p) - ref_params[n]).abs().max().item()
+               for n, p in parallel.named_parameters())
+    module = parallel.module
+    shared = module.lm_head.weight is module.model.embed_tokens.weight \
+        if module.lm_head is not None and module.model.embed_tokens is not None else None
+    return {"loss": loss, "ref_loss": ref_loss, "param_diff": diff,
+            "group": parallel.runner.tied is not None, "shared": shared}
+
+
+def _reductions(world_size: int) -> dict:
+    """Gradient reductions (fsdp2's reduce-scatters) in one step with accumulation (4
+    micro-batches of one sequence): folded into the schedule, each unit reduces once; two
+    schedule passes (what an accumulation loop around the schedule did) reduce twice."""
+    plan = Graph().add("pp", size=2, schedule="interleaved_1f1b").add("fsdp2").compile(
+        world_size=world_size)
+    ctx = plan.build_mesh("cpu")
+    parallel = plan.apply(tiny_llama(layers=4), ctx)
+    modules = {id(m): m for root in [parallel.module, *parallel.parts] for m in root.modules()}
+    units = sum(1 for m in modules.values() if hasattr(m, "unshard")  # blocks and stage roots
+                and m._get_fsdp_state()._fsdp_param_group is not None)
+    calls = []
+    original = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dp = ctx.mesh("dp")
+    local = batch(global_batch=8).chunk(dp.size())[dp.get_local_rank()]
+    dist.reduce_scatter_single = counted
+    try:
+        parallel.step({"input_ids": local}, None, micro_batch_size=1)
+        folded = len(calls)
+        calls.clear()
+        for half in local.split(2):
+            parallel.forward_backward(half, _shifted(half), _token_loss)
+        two_passes = len(calls)
+    finally:
+        dist.reduce_scatter_single = original
+    return {"units": units, "folded": folded, "two_passes": two_passes}
+
+
+EXTRA = {"lengths": _lengths, "v_tied": _v_tied, "reductions": _reductions}
+
+
 def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
-    return {name: _scenario(name, world_size) for name in names}
+    return {name: EXTRA[name](world_size) if name in EXTRA else _scenario(name, world_size)
+            for name in names}
 
 
 WORLD2 = ["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule",
           "DualPipeV", "scaled_in_schedule", "microbatch_2", "layers_per_stage", "explicit", "ac",
-          "two_steps", "mp"]
-WORLD4 = ["pp4_interleaved", "pp2_fsdp2", "pp2_fsdp2_mp", "pp2_tp2"]
+          "two_steps", "mp", "lengths", "v_tied"]
+WORLD4 = ["pp4_interleaved", "pp2_fsdp2", "pp2_fsdp2_mp", "pp2_tp2", "reductions"]
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +360,30 @@ def test_pp2_x_tp2(world4):
     assert all(r["pp2_tp2"]["dtensor_meshes"] == ["('tp',)"] for r in world4)
 
 
+def test_changing_lengths_give_exact_gradients_and_build_one_schedule_per_length(world2):
+    for r in world2:
+        got = r["lengths"]
+        assert got["grad_diff"] < 1e-5, got  # two lengths accumulated into one step
+        assert got["loss_diff"] < 1e-5 and got["param_diff"] < 1e-6, got
+        assert got["built"] == 2, got  # lengths 8 and 6: the third step reuses the first's
+
+
+def test_tied_embeddings_under_a_v_need_no_group(world2):
+    for r in world2:
+        got = r["v_tied"]
+        assert abs(got["loss"] - got["ref_loss"]) < 1e-5 and got["param_diff"] < 1e-6, got
+        assert got["group"] is False
+    assert [r["v_tied"]["shared"] for r in world2] == [True, None]  # rank 1: middle stages
+
+
+def test_accumulation_folds_into_the_schedule_one_reduction_per_step(world4):
+    for r in world4:
+        got = r["reductions"]
+        assert got["units"] > 0
+        assert got["folded"] == got["units"], got  # 4 micro-batches, one reduce-scatter each
+        assert got["two_passes"] == 2 * got["units"], got  # torch syncs every schedule pass
+
+
 # -- rejections: compile time, or model checks before the model changes ----------------------
 
 def _plan(**opts):
@@ -310,7 +440,6 @@ def _snapshot(model):
 
 
 @pytest.mark.parametrize("build,opts,match", [
-    (lambda: tiny_llama(layers=2, tie_word_embeddings=True), {"size": 2}, r"tied"),
     (lambda: tiny_llama(layers=2), {"size": 2, "schedule": "interleaved_1f1b"},
      r"4 pipeline stages but the model has only 2 layers"),
     (lambda: tiny_llama(layers=3), {"size": 2, "layers_per_stage": 1},
@@ -328,6 +457,21 @@ def test_model_rejections_leave_the_model_untouched(build, opts, match):
         _model_check(model, **opts)
     assert err.value.plugin == "pp" and err.value.rule == "model"
     assert _snapshot(model) == before
+
+
+def test_tied_embeddings_under_a_v_with_a_data_parallel_wrap_are_refused():
+    plan = Graph().add("pp", size=2, schedule="v_schedule").add("fsdp2").compile(world_size=4)
+    model = tiny_llama(layers=4, tie_word_embeddings=True)
+    before = _snapshot(model)
+    with pytest.raises(PlanError, match=r"one parameter cannot be sharded by two roots") as err:
+        plan.apply(model, MeshContext(plan.layout, "cpu"))
+    assert err.value.plugin == "pp" and err.value.key == "plugins.pp.schedule"
+    assert "interleaved_1f1b" in str(err.value) and _snapshot(model) == before
+    # a looped schedule is fine: the checks pass and only the missing process group stops it
+    plan = Graph().add("pp", size=2, schedule="interleaved_1f1b").add("fsdp2").compile(
+        world_size=4)
+    assert not plan.registry.get("pp").model_check(model, plan.steps[0].options,
+                                                   MeshContext(plan.layout, "cpu"))
 
 
 def test_model_without_pipeline_plan_is_refused():

@@ -8,8 +8,9 @@ tiny Qwen3-MoE (4 experts) built from the same seed on every rank.
 
 The reference is written with plain torch: the token-weighted mean cross-entropy of the global
 batch, micro-batches accumulated, ``clip_grad_norm_``, ``AdamW.step``. Under fsdp2, hsdp, ddp,
-tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp), and ep x dp,
-and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile
+tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp, with cp),
+ep x dp, pp with tied input and output embeddings (1F1B at pp 4, interleaved x dp, zero bubble x
+dp, pp x tp), and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile
 (aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, cp + selective, pp, ep + full),
 and a LoRA model (``lora`` on every linear but the LM head; its one-process reference is the
 same plan at world size 1, trained in plain torch) under fsdp2, tp x fsdp2, tp + sp, pp x dp, cp,
@@ -66,6 +67,8 @@ def lora() -> Graph:
 
 
 def build(kind: str):
+    if kind == "tied":  # input embedding and LM head share one weight, as in Llama 3.2 1B
+        return tiny_llama(layers=4, tie_word_embeddings=True)
     model = tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4)
     if kind.endswith("lora"):  # the adapters as lora draws them, in one process
         plan = lora().compile(world_size=1)
@@ -116,6 +119,8 @@ LAYOUTS = {
         "pp", size=2, schedule="zero_bubble").add("fsdp2"), 4),
     "pp2_tp2_fsdp2": ("llama", lambda: Graph().add("pp", size=2).add("tp", size=2)
                       .add("fsdp2"), 4),
+    "pp2_cp2_fsdp2": ("llama", lambda: Graph().add("pp", size=2).add("cp", size=2)
+                      .add("fsdp2"), 2),
     "ep2_fsdp2": ("moe", lambda: Graph().add("ep", size=2).add("fsdp2"), 1),
     # selective activation checkpointing, then per-block torch.compile (aot_eager: inductor's
     # kernels are checked once in one process, test_compile.py) over every kind of layout
@@ -144,6 +149,14 @@ LAYOUTS = {
     "lora_cp2_fsdp2": ("lora", lambda: lora().add("cp", size=2).add("fsdp2"), 2),
     # every linear of the MoE model but its fused experts and router: the attention's
     "lora_ep2_fsdp2": ("moe_lora", lambda: lora().add("ep", size=2).add("fsdp2"), 1),
+    # tied embeddings: the first and last stage sum the shared weight's gradients
+    "tied_pp4_1f1b": ("tied", lambda: Graph().add("pp", size=4), 2),
+    "tied_pp2_interleaved_fsdp2": ("tied", lambda: Graph().add(
+        "pp", size=2, schedule="interleaved_1f1b").add("fsdp2"), 2),
+    "tied_pp2_zero_bubble_fsdp2": ("tied", lambda: Graph().add(
+        "pp", size=2, schedule="zero_bubble").add("fsdp2"), 4),
+    "tied_pp2_tp2_fsdp2": ("tied", lambda: Graph().add("pp", size=2).add("tp", size=2)
+                           .add("fsdp2"), 4),
 }
 
 
@@ -151,7 +164,8 @@ def _run(name: str, world: int) -> dict:
     import torch.distributed as dist
 
     kind, graph, micro = LAYOUTS[name]
-    model = tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4)
+    model = tiny_llama(layers=4, tie_word_embeddings=True) if kind == "tied" else (
+        tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4))
     plan = graph().compile(world_size=world)
     compiled = plan.step("compile") is not None
     if compiled:
@@ -174,15 +188,21 @@ def _run(name: str, world: int) -> dict:
     params = {n.removeprefix("module."): full(p) for n, p in parallel.named_parameters()}
     trainable = sorted(n.removeprefix("module.") for n, p in parallel.named_parameters()
                        if p.requires_grad)
+    copies = 0.0  # a tied weight's copies on the first and the last stage
     if plan.layout.pp > 1:  # each pipeline rank holds its stages' parameters
         parts: list = [None] * world
         dist.all_gather_object(parts, (params, trainable))
-        params = {k: v for part, _ in parts for k, v in part.items()}
+        params = {}
+        for part, _ in parts:
+            for k, v in part.items():
+                if k in params:
+                    copies = max(copies, (params[k] - v).abs().max().item())
+                params[k] = v
         trainable = sorted({n for _, names in parts for n in names})
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     return {"losses": losses, "norms": norms, "params": params, "graphs": graphs,
             "warnings": sorted({str(w.message)[:80] for w in caught}), "trainable": trainable,
-            "optimizer_state": len(opt.state)}
+            "optimizer_state": len(opt.state), "copies": copies}
 
 
 def _all(rank: int, world: int, names: list[str]) -> dict:
@@ -212,6 +232,7 @@ def test_losses_norms_and_parameters_match_one_process(world4, name):
     # graph breaks: ep's expert dispatch runs eagerly), and only those
     assert (got["graphs"] > 0) == ("compile" in name)
     assert got["graphs"] <= 4, got["graphs"]
+    assert got["copies"] == 0.0  # tied copies (and dp/tp replicas) stay bit-identical
 
 
 def test_lora_trains_the_adapters_only(world4):
