@@ -70,6 +70,32 @@ def test_states_equal_dryrun_on_the_worst_pp_rank(arch, extra, plan_text, world,
     assert mine["params"] == measured["parameters"]
 
 
+@pytest.mark.parametrize("plan_text,world", [
+    ("[plugins.fsdp2]\n[plugins.pp]\nsize = 4\n", 8),
+    ("[plugins.fsdp2]\n[plugins.tp]\nsize = 2\n[plugins.pp]\nsize = 2\n"
+     "schedule = 'interleaved_1f1b'\n", 8),
+    ("[plugins.pp]\nsize = 2\nschedule = 'v_schedule'\n", 2),
+], ids=["pp4", "pp2-tp2-interleaved", "v"])
+def test_tied_embeddings_under_pp_count_the_last_stages_copy(plan_text, world):
+    """The rank of the last stage holds the tied weight too (as its LM head): the planner counts
+    that copy as the dry run measures it, on every pp rank; a V holds one copy."""
+    text = MODEL.format(arch="LlamaForCausalLM", extra="tie_word_embeddings = true",
+                        dtype="fp32") + plan_text
+    pipeline = loads_pipeline(text)
+    view = plan_view(compile_for(pipeline, world))
+    states = state_bytes(model_shape(pipeline.model), view, setup_of(pipeline))
+    untied = state_bytes(model_shape(loads_pipeline(text.replace("= true", "= false")).model),
+                         view, setup_of(pipeline))
+    for r, mine in enumerate(states):
+        report = dryrun(pipeline, world, r * (world // view.pp))
+        assert mine["params"] == report["bytes"]["parameters"], r
+    if "v_schedule" in plan_text:  # rank 0 holds the first and the last stage: one copy
+        assert states[0]["numel"] == untied[0]["numel"] - 1002 * 96
+        assert states[1:] == untied[1:]
+    else:  # every rank holds what it holds untied: the last stage's head is the copy
+        assert states == untied
+
+
 def test_ddp_holds_the_whole_model():
     """ddp keeps whole copies. (``dryrun`` cannot apply ddp to a meta model: DDP's
     constructor reads parameter values; so the reference is the meta model's own size.)"""

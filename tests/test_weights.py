@@ -1,7 +1,8 @@
 """Models larger than one rank: built on ``meta``, sharded, then each rank fills only its shards.
 
 One world-4 gloo group runs every scenario:
-- seeded init under tp 2 x sp x fsdp2 and pp 2 x fsdp2: the full state dict gathered with
+- seeded init under tp 2 x sp x fsdp2 and pp 2 x fsdp2 (also with tied embeddings, exported and
+  checkpointed under pp with the tied weight once): the full state dict gathered with
   ``full_tensor()`` equals the one-process model bit for bit; under fsdp2, hsdp, ddp, cp 2 x
   fsdp2 and ep 2 x fsdp2 (Qwen3-MoE) every rank's local shards equal its slice of the
   one-process weights, bit for bit;
@@ -46,6 +47,8 @@ def meta(kind: str = "llama", **config):
 
     from shardgraph.weights import meta_params
 
+    if kind == "tied":  # input embedding and LM head share one weight
+        kind, config = "llama", {"tie_word_embeddings": True, **config}
     cls, cfg = ((LlamaForCausalLM, LlamaConfig(**{**LLAMA, **config})) if kind == "llama" else
                 (Qwen3MoeForCausalLM, Qwen3MoeConfig(**MOE)))
     with meta_params():
@@ -69,6 +72,7 @@ def _graphs():
     return {
         "tp2_sp_fsdp2": (sg.Graph().add("tp", size=2).add("sp").add("fsdp2"), "llama", True),
         "pp2_fsdp2": (sg.Graph().add("pp", size=2).add("fsdp2"), "llama", True),
+        "pp2_fsdp2_tied": (sg.Graph().add("pp", size=2).add("fsdp2"), "tied", True),
         "fsdp2": (sg.Graph().add("fsdp2"), "llama", False),
         "hsdp": (sg.Graph().add("hsdp", size=2).add("fsdp2"), "llama", False),
         "ddp": (sg.Graph().add("ddp"), "llama", False),
@@ -98,10 +102,12 @@ def _local_mismatches(model, ref: dict[str, torch.Tensor]) -> list[str]:
     return bad
 
 
-def _in_group(rank: int, world: int, refs: dict, hf_dir: str, out_dir: str) -> dict:
+def _in_group(rank: int, world: int, refs: dict, hf_dir: str, out_dir: str,
+              tied_dir: str) -> dict:
     import torch.distributed as dist
 
     import shardgraph as sg
+    from shardgraph.train import checkpoint as ckpt
     from shardgraph.weights import hf_load, save_hf, seeded_init, tensor_specs
 
     result: dict = {}
@@ -110,6 +116,11 @@ def _in_group(rank: int, world: int, refs: dict, hf_dir: str, out_dir: str) -> d
         model = meta(kind)
         model = plan.apply(model, plan.build_mesh("cpu"),
                            init=seeded_init(SEED, model._init_weights)).module
+        if kind == "tied":  # exported and checkpointed with the weight once
+            save_hf(model, Path(tied_dir) / "hf", config=model.config,
+                    all_tensors=tensor_specs(meta(kind)))
+            ckpt.save(Path(tied_dir) / "dcp", 1, model,
+                      torch.optim.AdamW(model.parameters()), {}, keep=1)
         if gather:
             state = _full_state(model)
             if name.startswith("pp"):  # each pp rank gathers its stage's parameters
@@ -118,7 +129,7 @@ def _in_group(rank: int, world: int, refs: dict, hf_dir: str, out_dir: str) -> d
                 state = {k: v for part in parts for k, v in part.items()}
             want = refs[kind]
             result[name] = sorted(k for k in want if not torch.equal(state.get(k), want[k])) \
-                if state.keys() == want.keys() else ["keys differ"]
+                if state.keys() == want.keys() else [f"keys differ: {set(state) ^ set(want)}"]
         else:
             result[name] = _local_mismatches(model, refs[kind])
     # a bf16 checkpoint in several files, read sharded into an fp32 tp x fsdp2 model
@@ -169,15 +180,16 @@ def hf_dir(tmp_path_factory) -> Path:
 def test_sharded_start_init_load_and_export(hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from shardgraph.weights import hf_load, materialize
+    from shardgraph.weights import hf_load, materialize, read_headers
 
     assert len(list(hf_dir.glob("*.safetensors"))) > 1
     refs = {"llama": one_process("llama"), "moe": one_process("moe")}
     whole = materialize(meta(), "cpu", hf_load(hf_dir))
     refs["hf"] = {k: v.detach().clone() for k, v in whole.state_dict().items()}
     assert all(v.dtype == torch.float32 for v in refs["hf"].values())
+    refs["tied"] = one_process("tied")
     out = tmp_path / "export"
-    results = _dist.run(_in_group, 4, refs, str(hf_dir), str(out), timeout=400)
+    results = _dist.run(_in_group, 4, refs, str(hf_dir), str(out), str(tmp_path), timeout=400)
     for name in [*_graphs(), "hf_load"]:
         for rank, r in enumerate(results):
             assert r[name] == [], (name, rank, r[name][:5])
@@ -190,6 +202,26 @@ def test_sharded_start_init_load_and_export(hf_dir, tmp_path):
     saved = results[0]["saved"]
     assert all(torch.equal(v, saved[k]) for k, v in back.state_dict().items())
     assert saved.keys() == back.state_dict().keys()
+    # tied embeddings under pp 2 x fsdp2: the export and the checkpoint hold the weight once,
+    # under the embedding's name, and read back as one process's tied model
+    tied = refs["tied"]
+    assert torch.equal(tied["lm_head.weight"], tied["model.embed_tokens.weight"])
+    exported = read_headers(tmp_path / "hf")
+    assert "model.embed_tokens.weight" in exported and "lm_head.weight" not in exported
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    assert all(torch.equal(v, tied[k]) for k, v in back.state_dict().items())
+    import torch.distributed.checkpoint as dcp
+
+    from shardgraph.train import checkpoint as ckpt
+
+    step = ckpt.latest(tmp_path / "dcp")
+    stored = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    assert "model.model.embed_tokens.weight" in stored and "model.lm_head.weight" not in stored
+    one = meta("tied")
+    one = materialize(one, "cpu", lambda m: None)
+    ckpt.load(step, one, None)
+    assert one.lm_head.weight is one.model.embed_tokens.weight
+    assert all(torch.equal(v, tied[k]) for k, v in one.state_dict().items())
     # seeded weights follow the model's own init: normal(0, 0.02) matrices, unit norms
     ref = refs["llama"]
     assert abs(ref["model.layers.0.mlp.up_proj.weight"].std().item() - 0.02) < 2e-3

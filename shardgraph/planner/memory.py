@@ -8,7 +8,8 @@ the first ranks get ``ceil(n / size)`` rows, so rank 0 is the worst); a routed e
 is split over ``ep`` on dim 0 and then over ``ep_shard`` on dim 0, or on dim 1 when fewer local
 experts than ``ep_shard`` ranks remain; ddp keeps whole copies. Pipeline stage ``s`` holds its
 layers (the split the pipeline's cost record carries), the first stage the embedding, the
-last the final norm and the LM head.
+last the final norm and the LM head (and, with tied embeddings on another rank than the first
+stage, its own copy of the embedding).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Held:
 
     @property
     def layers(self) -> int:
-        return sum(n for k, n in self.kinds if k not in ("first", "last"))
+        return sum(n for k, n in self.kinds if k not in ("first", "last", "tied"))
 
 
 def stage_layers(shape: ModelShape, v: PlanView) -> list[tuple[Held, int]]:
@@ -64,12 +65,18 @@ def _stage_layers(shape: ModelShape, pp: int, per_rank: int, v_shape: bool,
     n_stages = pp * per_rank if pp > 1 else 1
     ranges = split(shape.layers, n_stages, layers_per_stage)
     ranks: list[tuple[collections.Counter, int]] = [(collections.Counter(), 0) for _ in range(pp)]
+
+    def rank_of(s: int) -> int:
+        return (s if s < pp else 2 * pp - 1 - s) if v_shape else s % pp
+
     for s, layers in enumerate(ranges):
-        r = (s if s < pp else 2 * pp - 1 - s) if v_shape else s % pp
-        held, count = ranks[r]
+        held, count = ranks[rank_of(s)]
         held.update(layer_kind(shape, i) for i in layers)
         held.update((["first"] if s == 0 else []) + (["last"] if s == n_stages - 1 else []))
-        ranks[r] = (held, count + 1)
+        ranks[rank_of(s)] = (held, count + 1)
+    last = ranks[rank_of(n_stages - 1)][0]
+    if shape.tied and "first" not in last:
+        last.update(["tied"])  # the last stage's copy of the tied embedding
     return [(Held(tuple(sorted(c.items()))), n) for c, n in ranks]
 
 

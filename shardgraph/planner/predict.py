@@ -77,9 +77,6 @@ def model_violations(shape: ModelShape, v: PlanView, setup: Setup) -> list[Viola
                                  f"{v.pp * v.stages_per_rank} pipeline stages but the model has "
                                  f"only {shape.layers} layers",
                                  hint=f"use at most {shape.layers} stages"))
-        if shape.tied:
-            bad.append(Violation("model", ("plugins.pp",), "tied embeddings cannot be split "
-                                 "over pipeline stages", hint="tie_word_embeddings = false"))
     if v.ep > 1 and (not shape.is_moe or shape.experts % v.ep):
         bad.append(Violation("model", ("plugins.ep.size",),
                              f"{shape.experts} experts are not divisible by ep = {v.ep}" if

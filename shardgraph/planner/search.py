@@ -176,7 +176,7 @@ def _pp_options(registry, names, shape: ModelShape, setup: Setup, world: int, tp
         if pp == 1:
             out.append((1, None, []))
             continue
-        if plugin is None or pp > shape.layers or shape.tied:
+        if plugin is None or pp > shape.layers:
             continue
         dp = rest // pp
         if setup.global_batch % dp:

@@ -119,7 +119,10 @@ def layer_kind(m: ModelShape, layer: int | str) -> str:
 
 @functools.cache
 def kind_params(m: ModelShape, kind: str) -> tuple[Param, ...]:
-    """The parameters of one block of ``kind`` (or of the first / last stage's extras)."""
+    """The parameters of one block of ``kind`` (or of the first / last stage's extras;
+    "tied": the copy of a tied embedding that the last stage holds on another rank)."""
+    if kind == "tied":
+        return tuple(p for p in _params(m) if p.layer == "first") if m.tied else ()
     if kind in ("first", "last"):
         return tuple(p for p in _params(m) if p.layer == kind)
     layer = next((i for i in range(m.layers) if layer_kind(m, i) == kind), None)

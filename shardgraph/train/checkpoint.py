@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 import xxhash
 
 from ..core.errors import PlanError, Violation
+from ..weights import aliases
 
 META = "meta.json"
 LATEST = "LATEST"
@@ -432,7 +433,7 @@ def start(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimi
     future = None
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": _once(model_sd, model), "optim": optim_sd}
         if asynchronous:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
             future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse
@@ -536,11 +537,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     every file is verified against the manifest (a collective)."""
     verify(path)
     if optimizer is None:
-        model_sd = get_model_state_dict(model, options=_TRAINED)
+        model_sd = _once(get_model_state_dict(model, options=_TRAINED), model)
         state = {"model": model_sd}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": _once(model_sd, model), "optim": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path))
     # A CheckpointException (each rank's error wrapped) derives from BaseException
@@ -555,6 +556,13 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=_INTO)
+
+
+def _once(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """A tied weight once, by its first name (``model.embed_tokens.weight``), as HF stores it:
+    the same under every plan, pipelined or not."""
+    drop = aliases(model)
+    return {k: v for k, v in state.items() if k not in drop}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ rank's shards from a seed or from an HF checkpoint; save HF checkpoints sharded.
     save_hf(parallel.module, "out", config=config, all_tensors=tensor_specs(whole_meta_model))
 """
 
-from ._hf import check_checkpoint, hf_load, read_headers, save_hf, tensor_specs
+from ._hf import aliases, check_checkpoint, hf_load, read_headers, save_hf, tensor_specs
 from ._init import (
     canonical_name,
     default_init_fn,
@@ -23,7 +23,7 @@ from ._init import (
 from ._peft import merged, save_peft
 
 __all__ = [
-    "canonical_name", "check_checkpoint", "default_init_fn", "hf_load", "local_part",
+    "aliases", "canonical_name", "check_checkpoint", "default_init_fn", "hf_load", "local_part",
     "materialize", "merged", "meta_params", "on_meta", "read_headers", "save_hf", "save_peft",
     "seeded_init", "tensor_specs",
 ]

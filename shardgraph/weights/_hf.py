@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..core.errors import PlanError, Violation
-from ._init import draw_own, own_init_names
+from ._init import _named_modules, canonical_name, draw_own, own_init_names
 
 INDEX = "model.safetensors.index.json"
 #: Files of an HF model directory that are not weights and travel with an export (tokenizer,
@@ -70,17 +70,24 @@ def read_headers(path: Path, key: str = "model.path") -> dict[str, tuple[str, tu
     return found
 
 
-def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the second name of a tied parameter (HF stores ``lm_head.weight`` once, as
-    ``embed_tokens.weight``, when the embeddings are tied)."""
+def aliases(model: nn.Module) -> set[str]:
+    """The second and later names of a parameter that several modules hold (a tied LM head's
+    ``lm_head.weight``; HF stores it once, as ``embed_tokens.weight``)."""
     seen: set[int] = set()
-    out = {}
-    for name, t in state.items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        out[name] = t
+    out = set()
+    for name, module in _named_modules(model):
+        for pname, p in module._parameters.items():
+            if p is not None and id(p) in seen:
+                out.add(canonical_name(f"{name}.{pname}" if name else pname))
+            elif p is not None:
+                seen.add(id(p))
     return out
+
+
+def _distinct(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` without the aliases of tied parameters: each weight once, by its first name."""
+    drop = aliases(model)
+    return {name: t for name, t in state.items() if name not in drop}
 
 
 def tensor_specs(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -88,7 +95,7 @@ def tensor_specs(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dty
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return {n: (tuple(t.shape), t.dtype)
-            for n, t in _distinct(get_model_state_dict(model)).items()}
+            for n, t in _distinct(get_model_state_dict(model), model).items()}
 
 
 def check_checkpoint(expected: dict[str, tuple[int, ...]], path: Path,
@@ -144,7 +151,8 @@ def hf_load(path: str | Path) -> Callable[[nn.Module], None]:
         # modules a plugin added that draw themselves (LoRA's adapters) are not in the
         # checkpoint of the model they were added to
         own = own_init_names(model)
-        state = {n: t for n, t in _distinct(get_model_state_dict(model)).items() if n not in own}
+        state = {n: t for n, t in _distinct(get_model_state_dict(model), model).items()
+                 if n not in own}
         bad = check_checkpoint({n: tuple(t.shape) for n, t in state.items()}, path)
         if bad:
             raise PlanError(bad)
@@ -201,7 +209,7 @@ def save_hf(model: nn.Module, out: str | Path, *, config, all_tensors: dict[str,
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    state = _distinct(get_model_state_dict(model))
+    state = _distinct(get_model_state_dict(model), model)
     state = {n: t for n, t in state.items() if n in all_tensors}
     sizes = [(n, _nbytes(shape, dtype)) for n, (shape, dtype) in all_tensors.items()]
     plan = file_plan(sizes, max_shard_bytes)
