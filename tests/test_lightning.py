@@ -474,6 +474,24 @@ def test_pipeline_parallelism_is_refused_under_a_trainer():
     assert info.value.rule == "lightning-pipeline" and info.value.keys == ("pp_size",)
 
 
+def test_model_parallel_strategys_keywords_mean_what_they_mean_there():
+    import torch
+
+    ours, _ = ShardgraphStrategy(dp_size=2, tp_size=2)._compile(world_size=4)
+    theirs, _ = ShardgraphStrategy(data_parallel_size=2, tensor_parallel_size=2)._compile(4)
+    assert theirs.to_dict() == ours.to_dict()
+    # "auto", as ModelParallelStrategy resolves it: dp over the nodes, tp over a node's devices
+    auto = ShardgraphStrategy(data_parallel_size="auto", tensor_parallel_size="auto")
+    auto.num_nodes = 2
+    auto.parallel_devices = [torch.device("cpu")] * 4
+    plan, _ = auto._compile(world_size=8)
+    assert (plan.layout.dp, plan.layout.tp) == (2, 4)
+    with pytest.raises(PlanError, match="both set one degree") as info:
+        ShardgraphStrategy(tp_size=2, tensor_parallel_size=2, data_parallel_size="x")
+    assert set(info.value.rules) == {"option", "type"}
+    assert {"tp_size", "tensor_parallel_size", "data_parallel_size"} <= set(info.value.keys)
+
+
 def test_a_misspelt_distributed_key_is_refused_at_construction():
     with pytest.raises(PlanError, match="did you mean 'sequence_parallel'") as info:
         ShardgraphStrategy(tp_size=2, distributed_config={"sequence_paralel": True})

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import attrs
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -30,6 +31,11 @@ class ShardgraphStrategy(ModelParallelStrategy):
     ``dim``, ``alpha``, ``dropout``, ``target_modules``, ...). ``activation_checkpointing_llm`` /
     ``_perception``: True for each model's blocks, or FQN globs of the modules to checkpoint.
     ``pipeline``: a pipeline TOML path or a ``shardgraph.Graph`` instead of the keywords.
+    ``data_parallel_size`` / ``tensor_parallel_size``: ``ModelParallelStrategy``'s keywords,
+    meaning what they mean there (an int, or ``"auto"``: the number of nodes / the devices per
+    node), so a config written for it switches by its class name alone; each is the same
+    setting as ``dp_size`` / ``tp_size``, and giving both spellings is refused. Left out, the
+    defaults are shardgraph's (tp 1, dp the rest), not ``"auto"``.
 
     In ``setup_environment`` (every rank, before the model is touched) the plan is compiled
     (a ``PlanError`` with every problem, before the process group starts), the mesh built,
@@ -57,11 +63,21 @@ class ShardgraphStrategy(ModelParallelStrategy):
         gpus_per_node: int | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
+        data_parallel_size: int | str | None = None,
+        tensor_parallel_size: int | str | None = None,
     ) -> None:
         timeout = default_pg_timeout if timeout_minutes is None else timedelta(
             minutes=timeout_minutes)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
+        dp_size, tp_size = _lightning_sizes(dp_size, tp_size, data_parallel_size,
+                                            tensor_parallel_size)
+        # "auto" is resolved once the Trainer has told the strategy its nodes and devices
+        self._auto = {k for k, v in (("dp_size", dp_size), ("tp_size", tp_size)) if v == "auto"}
+        if "dp_size" in self._auto:
+            dp_size = None
+        if "tp_size" in self._auto:
+            tp_size = 1
         self._options = Options.from_keywords(
             pipeline=pipeline, gpus_per_node=gpus_per_node, dp_size=dp_size,
             dp_replicate_size=dp_replicate_size, tp_size=tp_size, pp_size=pp_size,
@@ -94,6 +110,11 @@ class ShardgraphStrategy(ModelParallelStrategy):
             module.distributed_setup = self.distributed_setup
 
     def _compile(self, world_size: int, precision: str | None = None):
+        if self._auto:  # ModelParallelStrategy's "auto": dp over the nodes, tp over the devices
+            auto = {"dp_size": self.num_nodes, "tp_size": self.num_processes}
+            self._options = attrs.evolve(self._options, values={
+                **self._options.values, **{k: auto[k] for k in self._auto}})
+            self._auto = set()
         plan, perception_plan = self._options.compile(world_size, precision)
         if plan.layout.pp > 1:
             raise PlanError([Violation(
@@ -161,3 +182,26 @@ class ShardgraphStrategy(ModelParallelStrategy):
             yield
         finally:
             self.distributed_setup.gradient_sync(True)
+
+
+def _lightning_sizes(dp_size: int | None, tp_size: int, data_parallel_size: int | str | None,
+                     tensor_parallel_size: int | str | None) -> tuple[Any, Any]:
+    """``dp_size`` / ``tp_size`` from either spelling (ours or ModelParallelStrategy's)."""
+    bad = []
+    for ours, value, theirs, given, default in (
+            ("dp_size", dp_size, "data_parallel_size", data_parallel_size, None),
+            ("tp_size", tp_size, "tensor_parallel_size", tensor_parallel_size, 1)):
+        if given is None:
+            continue
+        if value != default:
+            bad.append(Violation(
+                "option", (ours, theirs), f"{ours} = {value} and {theirs} = {given!r} both set "
+                "one degree", hint=f"keep one of them ({theirs} is ModelParallelStrategy's name)"))
+        elif given != "auto" and (isinstance(given, bool) or not isinstance(given, int)):
+            bad.append(Violation(
+                "type", (theirs,), f"{theirs} must be a positive int or \"auto\", got {given!r}",
+                hint=f"{theirs}=2, or \"auto\""))
+    if bad:
+        raise PlanError(bad)
+    return (dp_size if data_parallel_size is None else data_parallel_size,
+            tp_size if tensor_parallel_size is None else tensor_parallel_size)
