@@ -21,6 +21,18 @@ and every step checks the same against the batch it gets.
 the step; off (the default, as in torchtitan), the loss of each microbatch is divided instead.
 Either way the gradients are those of the mean microbatch loss.
 
+Tied input and output embeddings (Llama 3.2 1B, Qwen2.5 0.5B, Gemma): the rank of the last
+stage keeps the embedding module too, sharing its weight with the LM head (so every copy is
+named ``model.embed_tokens.weight``, as in one process); after the backward of a step the first
+and the last stage sum the weight's gradients over an embedding group of their own (Megatron's
+scheme; the pp group itself at pp = 2; none under a V, where one rank holds both stages), the
+norm counts the weight once, and identical optimizer steps keep both copies equal.
+
+A step hands the schedule the whole local batch: its microbatches are the gradient
+accumulation, so gradients are reduced once per step. torch's stages keep the shapes of their
+first microbatch, so each batch shape gets its own stages and schedule, built at its first use
+and kept (the last 8 shapes): a recurring length builds nothing.
+
 The split is in ``_split`` (the model pruned in place, ``Stage`` modules), the runtime in
 ``_runner`` (``Pipeline``: stages, schedules, failure reporting), exported as the
 ``pipeline_parallel`` value that ``ParallelModel.step`` runs and fsdp2 wraps stage by stage.
