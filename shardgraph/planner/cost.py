@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from .gpus import GPU
-from .memory import held_numel, microbatches, stage_layers, trainable_share
+from .memory import EXTRAS, held_numel, microbatches, stage_layers, trainable_share
 from .shape import ModelShape, layer_kind
 from .view import PlanView, Setup
 
@@ -198,7 +198,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
 
     def stage_flops(held) -> float:
         f = sum(n * _kind_flops(shape, seq, k) for k, n in held.kinds
-                if k not in ("first", "last"))
+                if k not in EXTRAS)
         if "last" in held:
             f += head_flops_per_token(shape)
         return f

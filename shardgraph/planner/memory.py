@@ -24,6 +24,11 @@ from .shape import ModelShape, Param, kind_params, layer_kind
 from .view import PlanView, Setup
 
 
+#: what a pp rank may hold besides blocks: the first stage's embedding, the last stage's norm and
+#: LM head, and the last stage's copy of a tied embedding (no compute of its own)
+EXTRAS = ("first", "last", "tied")
+
+
 @attrs.frozen(cache_hash=True)
 class Held:
     """What one pp rank holds: how many blocks of each kind ("dense", "moe") and the extras
@@ -39,7 +44,7 @@ class Held:
 
     @property
     def layers(self) -> int:
-        return sum(n for k, n in self.kinds if k not in ("first", "last", "tied"))
+        return sum(n for k, n in self.kinds if k not in EXTRAS)
 
 
 def stage_layers(shape: ModelShape, v: PlanView) -> list[tuple[Held, int]]:
