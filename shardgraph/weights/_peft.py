@@ -103,7 +103,7 @@ def save_peft(model: nn.Module, out: str | Path, adapters: LowRankAdapters, *,
     _barrier()
     wanted = {f"{fqn}.{part}.weight" for fqn in adapters.modules
               for part in (adapters.down, adapters.up)}
-    state = {PREFIX + n: t for n, t in _distinct(get_model_state_dict(model)).items()
+    state = {PREFIX + n: t for n, t in _distinct(get_model_state_dict(model), model).items()
              if n in wanted}
     names = set(state)
     if dist.is_initialized():  # a pipeline rank holds its stages' adapters only
