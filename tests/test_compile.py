@@ -41,19 +41,13 @@ def _apply(graph: Graph, model):
     (Graph().add("compile").add("ep", size=2).add("activation_checkpointing").add("fsdp2"), 2,
      ["ep", "activation_checkpointing", "compile", "fsdp2"]),
     (Graph().add("compile").add("ddp"), 2, ["compile", "ddp"]),
+    (Graph().add("compile").add("activation_checkpointing").add("sp").add("tp", size=2)
+     .add("fsdp2"), 4, ["tp", "sp", "activation_checkpointing", "compile", "fsdp2"]),
     (Graph().add("compile").add("fsdp2"), 1, ["compile"]),  # a policy: kept on one device
 ])
 def test_compile_runs_after_what_rewrites_a_block_and_before_the_data_parallel_wrap(
         graph, world, order):
     assert [s.plugin for s in graph.compile(world_size=world).steps] == order
-
-
-def test_compile_under_tensor_parallelism_is_refused_by_declaration():
-    # torch 2.13's compiled block hands tp's DTensor redistribute a plain-tensor gradient
-    with pytest.raises(PlanError, match="compile does not support tp") as info:
-        Graph().add("compile").add("tp", size=2).add("sp").add("fsdp2").compile(world_size=4)
-    assert info.value.rules == ("conflicts",)
-    assert {"plugins.compile", "plugins.tp"} <= set(info.value.keys)
 
 
 # -- bad options: PlanErrors naming the key, the rule and the fix ---------------------------

@@ -11,7 +11,8 @@ batch, micro-batches accumulated, ``clip_grad_norm_``, ``AdamW.step``. Under fsd
 tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp, with cp),
 ep x dp, pp with tied input and output embeddings (1F1B at pp 4, interleaved x dp, zero bubble x
 dp, pp x tp), and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile
-(aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, cp + selective, pp, ep + full),
+(aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, tp, tp + sp + selective, cp + selective,
+pp, ep + full),
 and a LoRA model (``lora`` on every linear but the LM head; its one-process reference is the
 same plan at world size 1, trained in plain torch) under fsdp2, tp x fsdp2, tp + sp, pp x dp, cp,
 and the MoE model's under ep x dp:
@@ -138,6 +139,11 @@ LAYOUTS = {
     "cp2_sac_compile": ("llama", lambda: Graph().add("cp", size=2)
                         .add("activation_checkpointing", mode="selective")
                         .add("compile", **COMPILE).add("fsdp2"), 2),
+    "tp2_compile_fsdp2": ("llama", lambda: Graph().add("tp", size=2).add("compile", **COMPILE)
+                          .add("fsdp2"), 2),
+    "tp2_sp_sac_compile_fsdp2": ("llama", lambda: Graph().add("tp", size=2).add("sp")
+                                 .add("activation_checkpointing", mode="selective")
+                                 .add("compile", **COMPILE).add("fsdp2"), 2),
     "pp2_compile": ("llama", lambda: Graph().add("pp", size=2).add("compile", **COMPILE)
                     .add("fsdp2"), 2),
     "ep2_ac_compile": ("moe", lambda: Graph().add("ep", size=2).add("activation_checkpointing")

@@ -3,14 +3,13 @@
 Each block's ``forward`` is replaced by its compiled version on the block itself, so parameter
 names, the state dict and checkpoints are those of the eager model. Only the forward is
 compiled, not the module call: the hooks other steps registered on the block (FSDP2's
-all-gather, the composable checkpoint's frame, tp/sp's input layouts) run eagerly around it,
-so ``fullgraph`` holds under activation checkpointing, and identical blocks share one compiled
-graph (their parameters are graph inputs, not constants).
+all-gather, the composable checkpoint's frame) run eagerly around it, so ``fullgraph`` holds
+under activation checkpointing, and identical blocks share one compiled graph (their parameters
+are graph inputs, not constants).
 
 The step runs after every step that changes what a block computes (tp, sp, cp, ep, pp's
 split, activation checkpointing) and before the data-parallel wrap: its declaration says so,
-through capabilities, and the compiler orders it from that alone. Under tensor parallelism it
-is refused for now (see ``conflicts`` below).
+through capabilities, and the compiler orders it from that alone.
 """
 
 from __future__ import annotations
@@ -113,7 +112,27 @@ def _apply(model: nn.Module, options: CompileOptions, ctx: MeshContext, inputs: 
     for _, block in find_blocks(model, options.blocks):
         # An instance attribute: the class's forward, and every other block, stay as they are.
         block.forward = torch.compile(block.forward, **kwargs)
+        block.register_forward_pre_hook(_settle_inputs, with_kwargs=True)
     return model
+
+
+def _settle_inputs(module, args, kwargs):
+    """Hand the compiled forward plain tensors, not collectives still in flight.
+
+    A reduction's result (tp's all-reduce of the embedding, sp's reduce-scatter) reaches the
+    first block as torch's ``AsyncCollectiveTensor``, which waits on first use. As a compiled
+    graph's input, torch 2.13 hands its gradient back unwrapped, and the eager redistribute
+    behind it fails (``'Tensor' object has no attribute '_local_tensor'``). Waiting here is
+    what the block's first op would do anyway; the copy is the one activation entering it.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(AsyncCollectiveTensor, torch_clone, (args, kwargs))
+
+
+def torch_clone(tensor):
+    return tensor.clone()
 
 
 def _cost(options: CompileOptions, layout) -> Cost:
@@ -130,10 +149,6 @@ PLUGIN = Plugin(
     after={"pipeline_parallel", "float8", "tensor_parallel", "sequence_parallel",
            "context_parallel", "expert_parallel", "activation_checkpointing"},
     before={"data_parallel"},
-    # torch 2.13: the compiled block's backward hands a plain-tensor gradient to a DTensor
-    # redistribute of tp's (an AttributeError at world 2, wrong gradients under fsdp2 x tp);
-    # refused until it does not (pytorch/pytorch#173123 is the same failure).
-    conflicts={"tensor_parallel"},
     check=_check,
     model_check=_model_check,
     apply=_apply,
