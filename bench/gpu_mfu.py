@@ -15,6 +15,7 @@ once the time budget (``--budget``) would be exceeded.
 
     bench/gpu.sh                      # all rows, about 8 minutes at most on one H200
     python bench/gpu_mfu.py --rows base,chunked_loss --steps 5
+    python bench/gpu_mfu.py --device cpu --tiny --steps 1   # a smoke run: do the rows run?
 """
 
 from __future__ import annotations
@@ -62,11 +63,19 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--budget", type=float, default=450.0, help="seconds for all rows")
+    p.add_argument("--device", default="cuda",
+                   help="cuda (the measurement); cpu with --tiny only checks that the rows run")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 2-layer, 64-wide Llama (vocabulary 1024): a smoke run, not a figure")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def build_model(overrides: dict):
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+
+
+def build_model(overrides: dict, device: str = "cuda", tiny: bool = False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -74,9 +83,9 @@ def build_model(overrides: dict):
                   num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                   max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True,
                   attn_implementation="sdpa", use_cache=False)
-    config.update(overrides)
+    config.update({**(TINY if tiny else {}), **overrides})
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         return LlamaForCausalLM(LlamaConfig(**config))
 
 
@@ -97,21 +106,24 @@ def worker(args: argparse.Namespace) -> dict:
     plugins, overrides, backend, _ = ROWS[name]
     if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         return {"row": name, "error": "flash-attn is not installed"}
-    model = build_model(overrides)
+    model = build_model(overrides, args.device, args.tiny)
+    cuda = args.device == "cuda"
     per_token = flops_per_token(model, args.seq)
     graph = Graph().add("mixed_precision", param_dtype="bf16", reduce_dtype="fp32",
                         output_dtype="fp32")
     for plugin, options in plugins:
         graph.add(plugin, **options)
     plan = graph.compile(world_size=1)
-    ctx = plan.build_mesh("cuda")
+    ctx = plan.build_mesh(args.device)
     parallel = plan.apply(model, ctx)
     step = parallel.step
     if name == "megatron_fsdp":
         step = _megatron(parallel)
     opt = torch.optim.AdamW(parallel.module.parameters(), lr=1e-5, fused=True)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).cuda()
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
+    ids = ids.to(args.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if backend is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -122,18 +134,20 @@ def worker(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             out = step({"input_ids": ids}, opt)
-        torch.cuda.synchronize()
+        sync()
         warm = time.perf_counter() - t0
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             out = step({"input_ids": ids}, opt)
-        torch.cuda.synchronize()
+        sync()
         dt = (time.perf_counter() - t0) / args.steps
     tokens = args.batch * args.seq / dt
     return {"row": name, "step_s": dt, "tokens_s": tokens,
             "mfu": tokens * per_token / (args.peak_tflops * 1e12),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warm,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+            "warmup_s": warm,
             "loss": float(out.loss)}
 
 
@@ -199,13 +213,22 @@ def main() -> int:
         return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("no CUDA device: this benchmark measures a GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this benchmark measures a GPU (--device cpu --tiny: a smoke run)",
+              file=sys.stderr)
         return 2
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | Llama 1.24B (3.2-1B "
-          f"shape), {args.batch} x {args.seq} tokens/step, world 1, peak {args.peak_tflops} "
-          "TFLOP/s", flush=True)
+    if args.device != "cuda" and not args.tiny:
+        print("--device cpu runs only with --tiny (a smoke run of the rows)", file=sys.stderr)
+        return 2
+    where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    shape = "tiny Llama (smoke run)" if args.tiny else "Llama 1.24B (3.2-1B shape)"
+    print(f"{where} | torch {torch.__version__} | {shape}, {args.batch} x {args.seq} "
+          f"tokens/step, world 1, peak {args.peak_tflops} TFLOP/s", flush=True)
     start, results = time.monotonic(), []
+    # each row's process imports this checkout's shardgraph, installed or not
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     for name in rows:
         left = args.budget - (time.monotonic() - start)
         if left < COST.get(name, DEFAULT_COST):
@@ -213,7 +236,7 @@ def main() -> int:
             continue
         cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--worker", name]
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
             got = [json.loads(line[4:]) for line in out.stdout.splitlines()
                    if line.startswith("ROW ")]
             results.append(got[0] if got else {
