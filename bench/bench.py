@@ -23,6 +23,8 @@ import sys
 import time
 import warnings
 
+import _torchrun  # bench/, beside this script
+
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -38,18 +40,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="bf16 compute (mixed precision) on both")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="peak dense bf16 TFLOP/s of one GPU, for MFU (H100/H200 SXM: 989)")
-    argv = os.environ.get("SHARDGRAPH_BENCH_ARGS")
-    return p.parse_args(argv.split("\x1f") if argv else None)
-
-
-def launch(args: argparse.Namespace) -> int:
-    from torch.distributed.run import main as torchrun
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # the options travel by environment: torchrun's parser would claim "--nproc" as its own
-    os.environ["SHARDGRAPH_BENCH_ARGS"] = "\x1f".join(sys.argv[1:])
-    torchrun(["--standalone", f"--nproc-per-node={args.nproc}", os.path.abspath(__file__)])
-    return 0
+    return p.parse_args(_torchrun.argv())
 
 
 def build(args):
@@ -119,7 +110,7 @@ def by_hand(model, args, device_type):
 def main() -> int:
     args = parse()
     if "RANK" not in os.environ:
-        return launch(args)
+        return _torchrun.launch(__file__, args.nproc)
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

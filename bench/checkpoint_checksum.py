@@ -28,6 +28,8 @@ import tempfile
 import time
 import warnings
 
+import _torchrun  # bench/, beside this script
+
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
@@ -36,18 +38,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=24, help="24: 468M parameters")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to save (default: a temporary directory)")
-    argv = os.environ.get("SHARDGRAPH_BENCH_ARGS")
-    return p.parse_args(argv.split("\x1f") if argv else None)
-
-
-def launch(args: argparse.Namespace) -> int:
-    from torch.distributed.run import main as torchrun
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # the options travel by environment: torchrun's parser would claim "--nproc" as its own
-    os.environ["SHARDGRAPH_BENCH_ARGS"] = "\x1f".join(sys.argv[1:])
-    torchrun(["--standalone", f"--nproc-per-node={args.nproc}", os.path.abspath(__file__)])
-    return 0
+    return p.parse_args(_torchrun.argv())
 
 
 def timed(fn, *a, **kw) -> tuple[float, object]:
@@ -83,7 +74,7 @@ def crc32(paths) -> None:
 def main() -> int:
     args = parse()
     if "RANK" not in os.environ:
-        return launch(args)
+        return _torchrun.launch(__file__, args.nproc)
     warnings.filterwarnings("ignore")
     from pathlib import Path
 

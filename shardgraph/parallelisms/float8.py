@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ..core.blocks import output_embeddings
 from ..core.costs import Cost
 from ..core.errors import Violation, choices_hint, did_you_mean
 from ..core.values import Applied, Float8Training
@@ -63,19 +64,11 @@ def _check(options: Float8Options, layout, settings) -> list[Violation]:
     return bad
 
 
-def _head(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        return get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        return None
-
-
 def selected(model: nn.Module, options: Float8Options) -> tuple[list[str], dict[str, str]]:
     """The FQNs of the linears ``apply`` converts, and each skipped linear's reason."""
     import torch.nn as nn
 
-    head = _head(model)
+    head = output_embeddings(model)
     take, skip = [], {}
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ...core.blocks import output_embeddings
 from ...core.costs import Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
@@ -52,18 +53,10 @@ def _check(options: ChunkedLossOptions, layout, settings) -> list[Violation]:
                       hint="e.g. chunk_size = 1024 (logits of 1024 tokens at a time)")]
 
 
-def _head(model: nn.Module) -> nn.Module | None:
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        return get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        return None
-
-
 def _model_check(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext):
     import torch.nn as nn
 
-    head = _head(model)
+    head = output_embeddings(model)
     name = type(model).__name__
     if not isinstance(head, nn.Linear):
         return [Violation(
@@ -90,7 +83,7 @@ def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
 
 def _apply(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
            inputs: dict[str, Any]):
-    head = _head(model)
+    head = output_embeddings(model)
     if head is not None:  # under pp, only the last stage's rank holds the head
         # An instance attribute: the module, its parameters and the hooks around its forward
         # (tp's input gather) stay; the model's "logits" are now the head's input.
@@ -110,7 +103,7 @@ class _ChunkedLoss:
     def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         if self.sharding is not None:  # fsdp2 resharded the root (and the head) after forward
             self.sharding.unshard(self.model)
-        head = _head(self.model)
+        head = output_embeddings(self.model)
         hidden = getattr(output, "logits", output)
         return kernel.linear_cross_entropy(hidden, head.weight, head.bias, labels,
                                            self.chunk_size)
