@@ -87,6 +87,9 @@ class Cost:
     ``splits_context``: every token-wise tensor is split over cp.
     ``recompute``: the share of each block's forward run again in backward (full activation
     checkpointing: 1.0, only the block's input is kept).
+    ``saves``: what a recomputed block keeps for backward: ``"input"`` (its input alone) or
+    ``"alternate_matmuls"`` (its input and the outputs of its first, third, ... matmul, of
+    attention and of the collectives; the rest is recomputed).
     ``attention_imbalance``: the slowest rank's attention work over the mean (cp without load
     balancing: causal attention gives the last chunk the most work).
     ``compute_speedup``: the step's gain on compute time (a compiler, lower-precision matmuls),
@@ -112,6 +115,8 @@ class Cost:
     splits_context: bool = False
     loss_parallel: bool = False
     recompute: float = 0.0
+    saves: str = attrs.field(default="input", validator=attrs.validators.in_(
+        ("input", "alternate_matmuls")))
     attention_imbalance: float = 1.0
     compute_speedup: float = 1.0
     fused_elementwise: bool = False

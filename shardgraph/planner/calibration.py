@@ -120,8 +120,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
             plugins["pp"]["stages_per_rank"] = r["stages_per_rank"]
     if cp > 1:
         plugins["cp"] = {"size": cp, "attention": src.get("cp_attention", "ring")}
-    if r["ac"] == "full":
-        plugins["activation_checkpointing"] = {}
+    if r["ac"] in ("full", "selective"):
+        plugins["activation_checkpointing"] = {"mode": r["ac"]}
     layout = MeshLayout(world_size=r["world"], gpus_per_node=8, pp=pp, dp_shard=dp, cp=cp,
                         tp=tp)
     view = view_of(layout, declared(_registry(), plugins, layout)[0])
@@ -129,14 +129,9 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",
                                                 "fused_elementwise", "p2p_split_over_tp")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
-    if r["ac"] == "selective":
-        # torchtitan's op-level policy saves every other matmul's output (and attention's):
-        # half the forward's matmuls run again in backward
-        view = attrs.evolve(view, recompute=0.5)
     setup = Setup(seq_len=r["seq_len"], global_batch=r["global_batch"],
                   micro_batch=r.get("micro_batch"), optimizer_states=2)
-    # selective checkpointing is not modelled: its memory is not compared
-    memory = r.get("memory_gib") if r["ac"] != "selective" else None
+    memory = r.get("memory_gib")
     return Row(r["name"], r["source"], r["split"], _shape(r["model"]), view, setup, gpu,
                r.get("metric"), r.get("value"), memory)
 

@@ -184,6 +184,35 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     return dtype * ((norms + linear_in + inside) / v.cp + kv_full / v.cp)
 
 
+def selective_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> float:
+    """Bytes a selectively checkpointed block keeps per token, per rank (``Cost.saves ==
+    "alternate_matmuls"``): its input, the outputs of its first, third, ... matmul in the
+    order a block runs them (q, k, v, o, then gate, up, down or fc1, fc2: q, v, gate, down
+    of a Llama block), attention's output, and the outputs of the collectives inside it (tp's
+    two all-reduces, or under sp its two all-gathers and two reduce-scatters; cp's K/V
+    all-gather). Under tp the row-parallel matmuls (o, down) give a partial sum of the whole
+    hidden size; the column-parallel ones 1 / tp of theirs.
+    """
+    h, t = shape.hidden, v.tp
+    kv = shape.kv_heads * shape.head_dim
+    q = shape.heads * shape.head_dim
+    if shape.is_moe:
+        f = shape.top_k * shape.moe_intermediate * len(shape.moe_layers) / shape.layers
+        f += shape.intermediate * (shape.layers - len(shape.moe_layers)) / shape.layers
+    else:
+        f = shape.intermediate
+    # (size, split over tp) of each matmul's output, in the block's order
+    mlp = [(f, True), (f, True), (h, False)] if shape.gated or shape.is_moe else \
+        [(f, True), (h, False)]
+    matmuls = [(q, True), (kv, True), (kv, True), (h, False)] + mlp
+    kept = sum(n / t if split else n for n, split in matmuls[::2])
+    kept += h / (t if v.sp else 1) + q / t  # the block's input, attention's output
+    if t > 1:
+        kept += 2 * h + 2 * h / t if v.sp else 2 * h
+    kv_full = 2 * kv / t * v.cp if v.cp > 1 else 0.0  # K/V all-gathered over cp, kept whole
+    return dtype * (kept + kv_full) / v.cp
+
+
 def inflight(v: PlanView, n_micro: int, chunks: int) -> float:
     """Micro-batches of one chunk whose activations pp rank 0 holds at its peak, as torch's
     schedules order the work (``torch.distributed.pipelining.schedules``).
@@ -217,7 +246,11 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
     tokens = mbs * setup.seq_len  # per micro-batch, before cp splits it
     layers = held.layers
     per_layer_full = act_bytes_per_token_layer(shape, v, dtype) * tokens
-    if v.ac:
+    if v.ac and v.ac_saves == "alternate_matmuls":
+        # what the selective policy saves; the rest of one block comes back in its backward
+        per_layer = selective_bytes_per_token_layer(shape, v, dtype) * tokens
+        peak_extra = max(per_layer_full - per_layer, 0.0)
+    elif v.ac:
         # only each block's input is kept; one block's activations come back in its backward
         per_layer = dtype * tokens * shape.hidden / v.cp / (v.tp if v.sp else 1)
         peak_extra = per_layer_full

@@ -52,6 +52,8 @@ class PlanView:
     pipeline: PipelineCost | None = None
     comms: tuple[Comm, ...] = ()
     recompute: float = 0.0
+    #: what a recomputed block keeps (``Cost.saves``)
+    ac_saves: str = "input"
     attention_imbalance: float = 1.0
     compute_speedup: float = 1.0
     activation_scale: float = 1.0
@@ -145,6 +147,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         microbatch_size=pipe.microbatch_size if pipe else None,
         layers_per_stage=pipe.layers_per_stage if pipe else None,
         unknown=unknown, pipeline=pipe, comms=cost.comms, recompute=cost.recompute,
+        ac_saves=cost.saves,
         attention_imbalance=cost.attention_imbalance, compute_speedup=cost.compute_speedup,
         activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
         loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,

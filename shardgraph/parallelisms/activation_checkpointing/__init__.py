@@ -148,9 +148,10 @@ def _export(options: ActivationCheckpointingOptions, layout, inputs: dict[str, A
 
 def _cost(options, layout) -> Cost:
     # full: every checkpointed block keeps its input and runs its forward again in backward;
-    # selective runs about half its matmuls again (as the planner prices torchtitan's policy)
-    # and its memory is priced as full's (the planner does not model what it keeps)
-    return Cost(recompute=0.5 if options.mode == "selective" else 1.0)
+    # selective keeps the policy's outputs (``_policy``) and runs about half its matmuls again
+    if options.mode == "selective":
+        return Cost(recompute=0.5, saves="alternate_matmuls")
+    return Cost(recompute=1.0)
 
 
 def selective_checkpoint(module: nn.Module) -> None:
