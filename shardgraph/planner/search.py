@@ -73,7 +73,8 @@ class Candidate:
     cp: int = 1
     ep: int = 1
     dp_replicate: int = 1
-    ac: bool = False
+    #: activation checkpointing: "" (none), "full" or "selective" (the provider's modes)
+    ac: str = ""
     micro_batch: int = 1  # pp's microbatch_size under pp, else train.micro_batch_size
 
     def plugins(self, base: dict[str, dict[str, Any]],
@@ -106,6 +107,8 @@ class Candidate:
             put("ep", size=self.ep)
         if self.ac:
             put("ac")
+            if self.ac == "selective" or "mode" in out[names["ac"]]:
+                out[names["ac"]]["mode"] = self.ac
         if names.get("mp") in base:
             put("mp")
         return out
@@ -203,6 +206,23 @@ def _accepted(plugin, pp: int, schedule: str, local: int, layers: int) -> list[i
         attrs.evolve(options, microbatch_size=m), layout, settings)]
 
 
+def ac_modes(registry, names: dict[str, str]) -> tuple[str, ...]:
+    """The checkpointing the search tries: none, full, and selective where the provider has
+    a ``mode`` option that takes it and declares a cost that keeps more than full's."""
+    if "ac" not in names:
+        return ("",)
+    plugin = registry.get(names["ac"])
+    try:
+        options = plugin.options(mode="selective")
+    except (TypeError, ValueError):
+        return ("", "full")
+    layout = MeshLayout(world_size=1)
+    if plugin.cost is None or (plugin.check and plugin.check(options, layout, Settings())) or \
+            plugin.cost(options, layout).saves == "input":
+        return ("", "full")
+    return ("", "full", "selective")
+
+
 def _micro_choices(sizes: list[int], fits) -> list[int]:
     """The largest size that fits, the smallest, and one between (memory grows with the
     micro-batch, so the largest that fits is found by bisection)."""
@@ -228,6 +248,7 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
     if world == 1:
         return [(Candidate(None), divisors(setup.global_batch))]
     allow_ddp = allow_ddp and "ddp" in names
+    modes = ac_modes(registry, names)
     pp_cache: dict = {}
     for tp in divisors(gpn):
         if world % tp or (tp > 1 and "tp" not in names):
@@ -250,7 +271,7 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
                     if shape.is_moe and "ep" in names else [1]
                 for ep in eps:
                     for sp in ((False, True) if tp > 1 and "sp" in names else (False,)):
-                        for ac in ((False, True) if "ac" in names else (False,)):
+                        for ac in modes:
                             out.append((Candidate("fsdp2", tp, sp, pp, sched, cp, ep, 1, ac,
                                                   0), sizes))
                             if allow_ddp and tp == pp == cp == ep == 1:
@@ -377,7 +398,7 @@ def summary(c: Candidate, names: dict[str, str]) -> str:
     if c.ep > 1:
         parts.append(f"ep {c.ep}")
     if c.ac:
-        parts.append("ac")
+        parts.append("ac" if c.ac == "full" else f"{c.ac} ac")
     parts.append(f"mb {c.micro_batch}")
     return ", ".join(parts)
 
