@@ -48,9 +48,9 @@ def _rank(result, *parts: str) -> int | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="ranked ~#170: with 96 GB and the loss on vocabulary "
-                   "shards, layouts without activation checkpointing fit (pp 2 or 4, cp 2) and "
-                   "are predicted ~30% faster than the measured FSDP 32 x TP 8 with full "
+@pytest.mark.xfail(strict=True, reason="ranked #219: with 96 GB and the loss on vocabulary "
+                   "shards, layouts without activation checkpointing fit (pp 4, tp 4, cp 4) and "
+                   "are predicted ~25% faster than the measured FSDP 32 x TP 8 with full "
                    "checkpointing; nobody measured them")
 def test_torchtitan_70b_fsdp_tp_on_256_gpus():
     """torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 4: Llama 3.1 70B on 256
@@ -69,8 +69,9 @@ def test_torchtitan_405b_interleaving_beats_1f1b_in_the_search():
     assert inter is not None and (one is None or inter < one)
 
 
-@pytest.mark.xfail(strict=True, reason="ranked ~#13 (1F1B ~#27): the search prefers FSDP "
-                   "over 256 ranks with tp 2 and no pp (its all-gathers hidden behind compute) "
+@pytest.mark.xfail(strict=True, reason="ranked #34: the search prefers FSDP "
+                   "over 256 or 512 ranks with tp 2 or cp 2 and no pp (its all-gathers mostly "
+                   "hidden behind compute) "
                    "and cp variants of the measured layout")
 def test_torchtitan_405b_interleaved_is_in_the_top_3():
     result = autoplan(_pipeline("405B", 256, 8192, hbm_gib=96), 512, top=400)
@@ -78,10 +79,11 @@ def test_torchtitan_405b_interleaved_is_in_the_top_3():
     assert place is not None and place <= 3
 
 
-@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks ~#16: "
-                   "without activation checkpointing it does not fit as torch runs it (sp keeps "
-                   "the gathered inputs of the linears, the last stage keeps every micro-batch's "
-                   "logits), and with it the search prefers FSDP-heavy layouts (see above)")
+@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks #243: "
+                   "without activation checkpointing it does not fit as torch runs it (307 GiB "
+                   "predicted: sp keeps the gathered inputs of the linears, the last stage keeps "
+                   "every micro-batch's logits), and with it the search prefers FSDP over 2048 "
+                   "ranks x cp 4 (its all-gathers on the nodes' pooled NICs, mostly hidden)")
 def test_llama3_405b_tp8_pp16_on_8192_gpus():
     """Llama 3 paper Table 4: 405B on 8,192 H100, 16M tokens per batch: TP 8, PP 16, DP 64."""
     result = autoplan(_pipeline("405B", 2048, 8192), 8192, top=400)
@@ -89,10 +91,11 @@ def test_llama3_405b_tp8_pp16_on_8192_gpus():
     assert place is not None and place <= 3
 
 
-@pytest.mark.xfail(strict=True, reason="torchtitan's fastest plain-FSDP run used selective "
-                   "activation checkpointing, which no plugin offers to the search; against "
-                   "full checkpointing, cp 4 (no checkpointing, the sequence split instead) "
-                   "is predicted faster")
+@pytest.mark.xfail(strict=True, reason="ranked #28: torchtitan's fastest plain-FSDP run used "
+                   "selective activation checkpointing, which the search now offers (and ranks "
+                   "first among that sweep's plugins, see below); but cp 2 without "
+                   "checkpointing (the sequence split instead, nobody measured it) is "
+                   "predicted 16% faster: cp's K/V exchange hides behind attention")
 def test_torchtitan_8b_fsdp_on_8_gpus():
     """torchtitan Table 1: Llama 3.1 8B on 8 H100 (96 GB), local batch 2: FSDP 8."""
     result = autoplan(_pipeline("8B", 16, 8192, hbm_gib=96), 8, top=50)

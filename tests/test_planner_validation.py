@@ -3,10 +3,11 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
-error 6.9% over 17 rows (bound 8%), no held-out row off by more than 35% (the worst:
-DeepSpeed's ZeRO-3 on 640 GPUs, -32%, then torchtitan's 405B on 128 GPUs, +12%); held-out
-memory MAPE 12.8% over seven rows (bound 15%): the furthest under a measured peak -16%
-(torchtitan's 405B 1F1B; bound -20%), torchtitan's 4D runs over by 7-20%.
+error 5.4% over 19 rows (bound 6%), no held-out row off by more than 30% (the worst:
+torchtitan's 405B FSDP 16 x TP 8 on 128 GPUs, +29%, then Llama 3's 405B on 16,384 GPUs, +15%;
+DeepSpeed's ZeRO-3 rows within 8%); held-out memory MAPE 11.3% over eight rows (bound 15%): the
+furthest under a measured peak -16% (torchtitan's 405B 1F1B; bound -20%), torchtitan's 4D
+runs over by 7-20%, its selective-AC 8B run +1%.
 Run ``python -m shardgraph.planner.calibration`` for the full table.
 """
 
@@ -17,8 +18,8 @@ import pytest
 
 from shardgraph.planner import calibration as cal
 
-TIME_MAPE_BOUND = 0.08
-TIME_ROW_BOUND = 0.35
+TIME_MAPE_BOUND = 0.06
+TIME_ROW_BOUND = 0.30
 MEMORY_MAPE_BOUND = 0.15
 MEMORY_UNDER_BOUND = -0.20
 
@@ -45,7 +46,7 @@ def test_fitted_constants_are_the_fit():
 
     neighbours = []
     for by in (-1, 1):
-        for field in ("x0", "comm_eff", "elementwise", "eager"):
+        for field in ("x0", "comm_eff", "elementwise", "eager", "overlap"):
             other = step(cal.GRID[field], getattr(cal.FITTED, field), by)
             if other is not None:
                 neighbours.append(attrs.evolve(cal.FITTED, **{field: other}))
@@ -93,10 +94,9 @@ def _pred(name: str) -> float:
 @pytest.mark.parametrize("better,worse", [
     # Megatron-LM Table 2: PTD-P beats ZeRO-3 at equal size and GPU count (153 vs 144,
     # 141 vs 44, 159 vs 48 TFLOP/s)
-    pytest.param("GPT 174.6B PTD-P t8 p12 384 GPUs", "GPT 174.6B ZeRO-3 384 GPUs mb 4",
-                 marks=pytest.mark.xfail(strict=True, reason="a near tie (153 vs 144 TFLOP/s) "
-                                         "the model gets wrong: it hides ZeRO-3's all-gathers "
-                                         "behind compute better than they were hidden")),
+    # a near tie (153 vs 144 TFLOP/s), right since hidden communication is priced
+    # (``Efficiency.overlap``)
+    ("GPT 174.6B PTD-P t8 p12 384 GPUs", "GPT 174.6B ZeRO-3 384 GPUs mb 4"),
     ("GPT 174.6B PTD-P t8 p12 1536 GPUs", "GPT 174.6B ZeRO-3 1536 GPUs mb 1"),
     ("GPT 529.6B PTD-P t8 p35 2240 GPUs", "GPT 529.6B ZeRO-3 2240 GPUs mb 1"),
 ])

@@ -38,6 +38,7 @@ GRID = {
     "comm_eff": [0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
     "elementwise": [0.0, 0.5, 1.0, 1.5, 2.0],
     "eager": [1.0, 2.0, 4.0, 6.0, 8.0, 10.0],
+    "overlap": [0.0, 0.1, 0.2, 0.3, 0.4, 0.5],
 }
 
 
@@ -127,7 +128,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     view = view_of(layout, declared(_registry(), plugins, layout)[0])
     # the software of the source, where it differs from torch's (a row may say otherwise)
     stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",
-                                                "fused_elementwise", "p2p_split_over_tp")}
+                                                "fused_elementwise", "p2p_split_over_tp",
+                                                "pooled_nics")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     setup = Setup(seq_len=r["seq_len"], global_batch=r["global_batch"],
                   micro_batch=r.get("micro_batch"), optimizer_states=2)
@@ -185,14 +187,15 @@ def _loss(eff: Efficiency, fit_rows: list[Row]) -> float:
 
 
 def _best_ceiling(g: str, mine: list[Row], x0: float, comm: float, elem: float,
-                  eager: float) -> tuple[float, float]:
+                  eager: float, overlap: float) -> tuple[float, float]:
     """The grid's best e_max for one GPU's rows: every other point, then its neighbours (the
     loss is unimodal in e_max)."""
     grid = GRID["e_max"]
 
     def loss(i: int) -> tuple[float, float]:
         e = grid[i]
-        return _loss(Efficiency(((g, e),), x0, comm, elementwise=elem, eager=eager), mine), e
+        return _loss(Efficiency(((g, e),), x0, comm, elementwise=elem, eager=eager,
+                                overlap=overlap), mine), e
 
     lo, i = min((loss(i)[0], i) for i in range(0, len(grid), 2))
     return min(loss(j) for j in (i - 1, i, i + 1) if 0 <= j < len(grid))
@@ -226,16 +229,17 @@ def fit() -> Efficiency:
     fit_rows = [r for r in rows() if r.split == "fit" and r.metric is not None]
     gpus = sorted({r.gpu.name for r in fit_rows})
     best: tuple[float, Efficiency] | None = None
-    for x0, comm, elem, eager in itertools.product(GRID["x0"], GRID["comm_eff"],
-                                                   GRID["elementwise"], GRID["eager"]):
+    for x0, comm, elem, eager, overlap in itertools.product(
+            GRID["x0"], GRID["comm_eff"], GRID["elementwise"], GRID["eager"], GRID["overlap"]):
         table, loss = [], 0.0
         for g in gpus:
             mine = [r for r in fit_rows if r.gpu.name == g]
-            lo, e = _best_ceiling(g, mine, x0, comm, elem, eager)
+            lo, e = _best_ceiling(g, mine, x0, comm, elem, eager, overlap)
             table.append((g, e))
             loss += lo * len(mine)
         if best is None or loss < best[0]:
-            best = (loss, Efficiency(tuple(table), x0, comm, elementwise=elem, eager=eager))
+            best = (loss, Efficiency(tuple(table), x0, comm, elementwise=elem, eager=eager,
+                                     overlap=overlap))
     return best[1]
 
 

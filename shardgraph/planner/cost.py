@@ -10,12 +10,16 @@ the pipeline bubble.
 - Collectives, alpha-beta: ``latency * log2(n) + traffic / (link bandwidth * comm_eff)``,
   ring traffic ``(n - 1) / n * S`` for all-gather / reduce-scatter / all-to-all and twice
   that for all-reduce; the link is NVLink when the group lies inside one node, the GPU's
-  network bandwidth when it spans nodes (the mesh is row-major, tp innermost).
+  network bandwidth when it spans nodes (the mesh is row-major, tp innermost), times the
+  group's members in a node (their NICs carry its rings together; a source may say its
+  stack used one NIC per GPU, ``PlanView.pooled_nics``).
 - Overlap: FSDP's all-gathers run ahead of the compute they feed (prefetch) and are exposed
   only beyond it, the first one always; its reduce-scatter overlaps the last micro-batch's
   backward (gradients are reduced once per step); DDP's all-reduce overlaps backward the
   same way. The collectives the steps declare (``core.costs.Comm``: tp's reductions, cp's K/V,
-  ep's dispatch) sit on the critical path, a ring's behind the attention it feeds.
+  ep's dispatch) sit on the critical path, a ring's behind the attention it feeds. A
+  collective hidden behind compute still costs ``Efficiency.overlap`` of its time (fitted:
+  its kernels take SMs and memory bandwidth from the compute it overlaps).
 - Pipeline: the bubble of the schedule's shape (``bubble_share``) and a receive per pass
   (``pp_sends``).
 """
@@ -49,6 +53,9 @@ class Efficiency:
     elementwise: float = 1.0
     #: eager torch's elementwise traffic over fused kernels'
     eager: float = 1.0
+    #: what a second of communication hidden behind compute still costs: the collectives'
+    #: kernels take SMs and memory bandwidth from the matmuls they overlap
+    overlap: float = 0.0
 
     def ceiling(self, gpu: str) -> float:
         table = dict(self.e_max)
@@ -115,10 +122,15 @@ def efficiency(shape: ModelShape, v: PlanView, eff: Efficiency, gpu: str) -> flo
 
 
 def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
-                eff: Efficiency) -> float:
+                eff: Efficiency, per_node: int = 1) -> float:
+    """``per_node``: members of the group in one node. NCCL's rings cross each node once per
+    channel, one channel per NIC: a group with k members in a node moves its inter-node
+    traffic over k NICs at once (and every byte over NVLink as well), as nccl-tests' bus
+    bandwidth across nodes is the node's NICs together, not one GPU's."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw = (gpu.inter_bw if crosses else gpu.intra_bw) * eff.comm_eff
+    bw = (min(gpu.inter_bw * per_node, gpu.intra_bw) if crosses else gpu.intra_bw) \
+        * eff.comm_eff
     lat = gpu.inter_latency if crosses else gpu.intra_latency
     traffic = (n - 1) / n * nbytes * (2 if kind == "all_reduce" else 1)
     if kind == "p2p":
@@ -247,7 +259,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                           v.group_crosses_nodes(c.axis), gpu, eff)
         if c.kind == "ring":
             # the exchanges hide behind attention on the chunks already received
-            one = max(0.0, one - attention_s * (n - 1) / n)
+            behind = attention_s * (n - 1) / n
+            one = max(0.0, one - behind) + eff.overlap * min(one, behind)
         add(c.axis, one * count)
     # data parallelism
     whole = attrs.evolve(v, strategy=None)
@@ -256,11 +269,13 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         crosses = v.group_crosses_nodes("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
         unsharded = held_numel(shape, held, whole, False if v.ep > 1 else None)
         gathers = n_micro * (2 if v.reshard_after_forward else 1)
-        ag = gathers * _collective("all_gather", n, unsharded * cb, crosses, gpu, eff)
+        k = v.members_per_node("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
+        ag = gathers * _collective("all_gather", n, unsharded * cb, crosses, gpu, eff, k)
         # gradients reduced once per step (deferred; always under torch's pipeline stages), or
         # after every micro-batch's backward
         reductions = 1 if v.defer_grad_sync or v.pp > 1 else n_micro
-        rs = reductions * _collective("reduce_scatter", n, unsharded * rb, crosses, gpu, eff)
+        rs = reductions * _collective("reduce_scatter", n, unsharded * rb, crosses, gpu, eff,
+                                      k)
         ep_shard = v.dp * v.cp // v.ep
         ex = held_numel(shape, held, whole, True) if v.ep > 1 else 0
         if ex and ep_shard > 1:
@@ -270,20 +285,24 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         units = max(layers, 1) + 1
         first = ag / (gathers * units) if gathers else 0.0
         # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
-        # backward they follow (on its own stream: sharing the links with the all-gathers
-        # fits the published rows worse, 8.5% held-out MAPE against 6.9%)
+        # backward they follow (on its own stream); what hides still costs ``eff.overlap`` of
+        # its time
         window = bwd_last * reductions if v.overlap_grad_reduce else 0.0
-        add("dp_shard", max(0.0, ag - compute) + first + max(0.0, rs - window))
+        hidden = min(ag, compute) + min(rs, window)
+        add("dp_shard", max(0.0, ag - compute) + first + max(0.0, rs - window)
+            + eff.overlap * hidden)
         if v.dp_replicate > 1 and v.strategy == "fully_shard":
             shard = unsharded * rb / n
             add("dp_replicate", _collective("all_reduce", v.dp_replicate, shard,
-                                            v.group_crosses_nodes("dp_replicate"), gpu, eff))
+                                            v.group_crosses_nodes("dp_replicate"), gpu, eff,
+                                            v.members_per_node("dp_replicate")))
     elif v.strategy == "replicate" and v.dp > 1:
         grads = held_numel(shape, held, whole) * shape.param_bytes
-        ar = _collective("all_reduce", v.dp, grads, v.group_crosses_nodes("dp"), gpu, eff)
+        ar = _collective("all_reduce", v.dp, grads, v.group_crosses_nodes("dp"), gpu, eff,
+                         v.members_per_node("dp"))
         # buckets reduced as backward fills them, the last one after it; or all after it
-        add("dp", max(0.0, ar - bwd_last) + ar * 25 * 2**20 / max(grads, 1)
-            if v.overlap_grad_reduce else ar)
+        add("dp", max(0.0, ar - bwd_last) + eff.overlap * min(ar, bwd_last)
+            + ar * 25 * 2**20 / max(grads, 1) if v.overlap_grad_reduce else ar)
     # pipeline: the bubble and the sends on the critical path
     bubble = 0.0
     if v.pp > 1:

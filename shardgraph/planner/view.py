@@ -69,6 +69,9 @@ class PlanView:
     fused_elementwise: bool = False
     #: pipeline sends split over tp and gathered after (Megatron-LM's scatter/gather)
     p2p_split_over_tp: bool = False
+    #: a collective across nodes uses the NICs of all its members in a node at once (NCCL's
+    #: rings, one channel per NIC); False: one NIC's bandwidth per GPU
+    pooled_nics: bool = True
 
     @property
     def dp(self) -> int:
@@ -84,6 +87,19 @@ class PlanView:
                  "dp_replicate": self.dp * self.cp * self.tp, "dp": self.dp * self.cp * self.tp,
                  "pp": self.world, "ep": self.ep * self.tp}[axis]
         return inner > self.gpus_per_node
+
+    def members_per_node(self, axis: str) -> int:
+        """Members of one ``axis`` group in one node (the axes inside it fill the node
+        first)."""
+        size = {"tp": self.tp, "cp": self.cp, "dp_shard": self.dp_shard,
+                "dp_shard_cp": self.dp_shard * self.cp, "dp_replicate": self.dp_replicate,
+                "dp": self.dp * self.cp, "pp": self.pp, "ep": self.ep}[axis]
+        stride = {"tp": 1, "cp": self.tp, "dp_shard": self.cp * self.tp,
+                  "dp_shard_cp": self.tp, "dp_replicate": self.dp_shard * self.cp * self.tp,
+                  "dp": self.tp, "pp": self.world // self.pp, "ep": self.tp}[axis]
+        if not self.pooled_nics:
+            return 1
+        return max(1, min(size, self.gpus_per_node // stride))
 
 
 def step_costs(plan) -> tuple[list[Cost], list[str]]:
