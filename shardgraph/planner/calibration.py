@@ -95,7 +95,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     src = sources[r["source"]]
     from .gpus import ClusterTable
 
-    gpu = resolve_gpu(src["gpu"], ClusterTable(hbm_gib=src.get("hbm_gib")))
+    gpu = resolve_gpu(src["gpu"], ClusterTable(hbm_gib=src.get("hbm_gib"),
+                                               hbm_tbps=src.get("hbm_tbps")))
     if "calibrate_as" in src:  # the same chip run otherwise (torchtitan's H100 at 500 W)
         gpu = attrs.evolve(gpu, name=src["calibrate_as"])
     tp, pp, cp = r.get("tp", 1), r.get("pp", 1), r.get("cp", 1)
