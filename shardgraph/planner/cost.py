@@ -7,7 +7,9 @@ the pipeline bubble.
   forward; full activation checkpointing runs forward once more.
 - Compute time: those FLOPs over the GPU's peak times an achieved efficiency that grows with
   the per-GPU matmul width (hidden / tp): ``eff = e_max * x / (x + x0)``, fitted.
-- Collectives, alpha-beta: ``latency * log2(n) + traffic / (link bandwidth * comm_eff)``,
+- Collectives, alpha-beta: ``latency * steps + traffic / (link bandwidth * comm_eff)``
+  (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block;
+  the rest ``log2(n)``),
   ring traffic ``(n - 1) / n * S`` for all-gather / reduce-scatter / all-to-all and twice
   that for all-reduce; the link is NVLink when the group lies inside one node, the GPU's
   network bandwidth when it spans nodes (the mesh is row-major, tp innermost), times the
@@ -135,7 +137,9 @@ def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
     traffic = (n - 1) / n * nbytes * (2 if kind == "all_reduce" else 1)
     if kind == "p2p":
         traffic = nbytes
-    return lat * math.ceil(math.log2(n)) + traffic / bw
+    # all-gather and reduce-scatter run as rings: n - 1 steps, each waiting on a hop
+    steps = n - 1 if kind in ("all_gather", "reduce_scatter") else math.ceil(math.log2(n))
+    return lat * steps + traffic / bw
 
 
 AXIS_SIZES = ("tp", "cp", "ep", "pp", "dp", "dp_shard", "dp_replicate")
@@ -270,19 +274,20 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         unsharded = held_numel(shape, held, whole, False if v.ep > 1 else None)
         gathers = n_micro * (2 if v.reshard_after_forward else 1)
         k = v.members_per_node("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
-        ag = gathers * _collective("all_gather", n, unsharded * cb, crosses, gpu, eff, k)
+        units = max(layers, 1) + 1  # a collective per block and one for the rest
+        ag = gathers * units * _collective("all_gather", n, unsharded * cb / units, crosses,
+                                           gpu, eff, k)
         # gradients reduced once per step (deferred; always under torch's pipeline stages), or
         # after every micro-batch's backward
         reductions = 1 if v.defer_grad_sync or v.pp > 1 else n_micro
-        rs = reductions * _collective("reduce_scatter", n, unsharded * rb, crosses, gpu, eff,
-                                      k)
+        rs = reductions * units * _collective("reduce_scatter", n, unsharded * rb / units,
+                                              crosses, gpu, eff, k)
         ep_shard = v.dp * v.cp // v.ep
         ex = held_numel(shape, held, whole, True) if v.ep > 1 else 0
         if ex and ep_shard > 1:
             cross = v.ep * ep_shard > v.gpus_per_node
             ag += gathers * _collective("all_gather", ep_shard, ex * cb, cross, gpu, eff)
             rs += reductions * _collective("reduce_scatter", ep_shard, ex * rb, cross, gpu, eff)
-        units = max(layers, 1) + 1
         first = ag / (gathers * units) if gathers else 0.0
         # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
         # backward they follow (on its own stream); what hides still costs ``eff.overlap`` of
