@@ -314,8 +314,13 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
                        est))
         return est
 
+    # a layout that fits without checkpointing at its largest micro-batch is faster so than
+    # with any (recomputation adds compute and hides no less communication): not estimated
+    roomy: set[Candidate] = set()
     for cand, sizes in enumerate_candidates(shape, setup, world_size, gpn, registry, names):
         counts["layouts"] += 1
+        if cand.ac and attrs.evolve(cand, ac="") in roomy:
+            continue
         view0 = view(attrs.evolve(cand, micro_batch=max(sizes)))
         if sum(state_bytes(shape, view0, setup_for(cand))[0][k] for k in ("params", "grads",
                                                                  "optimizer")) > limit:
@@ -325,7 +330,10 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             c = attrs.evolve(cand, micro_batch=m)
             return fits(shape, view(c), setup_for(c), chip)
 
-        for m in _micro_choices(sizes, fit):
+        choices = _micro_choices(sizes, fit)
+        if not cand.ac and choices and choices[0] == max(sizes):
+            roomy.add(cand)
+        for m in choices:
             score(attrs.evolve(cand, micro_batch=m))
     # hsdp on the best layouts: replicate across nodes, shard inside
     scored.sort(key=_rank)
