@@ -3,8 +3,8 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
-error 4.4% over 19 rows (bound 6%), no held-out row off by more than 30% (the worst:
-torchtitan's 405B FSDP 16 x TP 8 on 128 GPUs, +27%, then Llama 3's 405B on 16,384 GPUs, +16%;
+error 4.0% over 19 rows (bound 6%), no held-out row off by more than 30% (the worst:
+torchtitan's 405B FSDP 16 x TP 8 on 128 GPUs, +27%, then Llama 3's 405B on 16,384 GPUs, +9%;
 DeepSpeed's ZeRO-3 rows within 6%); held-out memory MAPE 11.0% over ten rows (bound 15%): the
 furthest under a measured peak -16% (torchtitan's 405B 1F1B; bound -20%), torchtitan's 4D
 runs over by 7-20%, its selective-AC 8B run +1%, compiled +8% and +12%.

@@ -272,7 +272,14 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         n = v.dp_shard * v.cp if v.strategy == "fully_shard" else v.dp * v.cp
         crosses = v.group_crosses_nodes("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
         unsharded = held_numel(shape, held, whole, False if v.ep > 1 else None)
-        gathers = n_micro * (2 if v.reshard_after_forward else 1)
+        # all-gathers per step: one per micro-batch's forward and (resharded after it) one per
+        # its backward; under torch's pipeline stages none after the first forward unless
+        # resharded after forward: they keep the parameters through every micro-batch's
+        # backward (``set_reshard_after_backward(False)`` but on the last)
+        if v.pp > 1:
+            gathers = 1 + (n_micro if v.reshard_after_forward else 0)
+        else:
+            gathers = n_micro * (2 if v.reshard_after_forward else 1)
         k = v.members_per_node("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
         units = max(layers, 1) + 1  # a collective per block and one for the rest
         ag = gathers * units * _collective("all_gather", n, unsharded * cb / units, crosses,
