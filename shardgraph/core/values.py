@@ -161,7 +161,13 @@ class StepRunner(Protocol):
     per-sequence model inputs it added, cp's ``position_ids``), calls ``loss_fn(logits,
     labels)`` per micro-batch where the logits are computed, leaves the gradients in ``.grad``
     and returns the sum of ``loss_fn``'s values on this rank (zero where no stage computes one).
+
+    ``splits_backward``: each micro-batch's backward runs as two passes, input gradients then
+    weight gradients (torch's zero-bubble schedules), so a checkpointed region is backwarded
+    twice.
     """
+
+    splits_backward: bool
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

@@ -28,7 +28,7 @@ from ..core.errors import PlanError, PlanWarning, Violation
 from ..core.layout import Settings
 from ..core.mesh import AxisRequest, DerivedMesh, MeshRequest, derive_mesh, positive
 from ..core.options import structure_options
-from ..plugins import Kind, Plugin, Registry
+from ..plugins import Kind, OptionFlag, Plugin, Registry
 from ..plugins.builtin import default_registry
 from .plan import Plan, Step
 
@@ -198,6 +198,16 @@ def _activate(resolved, mesh: DerivedMesh, bad) -> list[_Resolved]:
     return out
 
 
+def _flags(r: _Resolved, which: str) -> dict[str, OptionFlag | None]:
+    """``r``'s declared ``provides`` or ``conflicts`` (None: always), with the flags its options
+    set (``provides_with`` / ``conflicts_with``)."""
+    out: dict[str, OptionFlag | None] = dict.fromkeys(getattr(r.plugin, which))
+    hook = getattr(r.plugin, which + "_with")
+    if hook is not None and r.options is not None:
+        out.update(hook(r.options))
+    return out
+
+
 def _clash(a: Plugin, b: Plugin) -> frozenset[str]:
     return (a.conflicts & b.provides) | (b.conflicts & a.provides)
 
@@ -235,18 +245,27 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
     in_conflict: set[str] = set()
     reported = set()
     for r in active:
+        conflicts = _flags(r, "conflicts")
         for other in active:
-            clash = r.plugin.conflicts & other.plugin.provides
+            provides = _flags(other, "provides")
+            clash = conflicts.keys() & provides.keys()
             pair = frozenset((r.plugin.name, other.plugin.name))
             if other is r or not clash or pair in reported or not (r.certain and other.certain):
                 continue
             reported.add(pair)
             in_conflict |= pair
+            # a flag an option sets: that option is the key and its fix comes first
+            set_by = [(e, f) for e, flags in ((other, provides), (r, conflicts))
+                      for f in (flags[c] for c in sorted(clash)) if f is not None]
+            hint = _conflict_hint(r, other, active, registry)
             bad.append(Violation(
-                "conflicts", (r.entry.path, other.entry.path),
+                "conflicts", tuple(dict.fromkeys(e.entry.origin(f.key) for e, f in set_by))
+                or (r.entry.path, other.entry.path),
                 f"{r.plugin.name} does not support {other.plugin.name} "
-                f"({', '.join(sorted(clash))})",
-                hint=_conflict_hint(r, other, active, registry), plugin=r.plugin.name,
+                f"({', '.join(sorted(clash))})" + "".join(
+                    f"; {e.entry.origin(f.key)} = {getattr(e.options, f.key)!r} sets it"
+                    for e, f in set_by),
+                hint="; ".join([f.fix for _, f in set_by] + [hint]), plugin=r.plugin.name,
             ))
     providers: dict[str, list[_Resolved]] = {}
     for r in active:

@@ -12,10 +12,20 @@ from ._registry import (
     Registered,
     Registry,
 )
-from ._spec import Apply, Check, GradSync, Kind, ModelCheck, NoOptions, Plugin, PrepareBatch
+from ._spec import (
+    Apply,
+    Check,
+    GradSync,
+    Kind,
+    ModelCheck,
+    NoOptions,
+    OptionFlag,
+    Plugin,
+    PrepareBatch,
+)
 
 __all__ = [
     "BUILTIN", "ENTRY_POINT_GROUP", "Apply", "Check", "GradSync", "Kind", "LoadFailure",
-    "ModelCheck", "NoOptions", "Plugin", "PluginValidationError", "PrepareBatch", "Registered",
+    "ModelCheck", "NoOptions", "OptionFlag", "Plugin", "PluginValidationError", "PrepareBatch", "Registered",
     "Registry",
 ]

@@ -65,6 +65,12 @@ Collectives = Callable[["nn.Module", Any, "MeshContext", dict[str, Any], Any], l
 #: the planner's terms, without torch; the planner prices a plan from these alone.
 CostHook = Callable[[Any, "MeshLayout"], Any]
 
+#: ``provides_with(options)`` / ``conflicts_with(options)`` -> ``{capability: OptionFlag}``:
+#: capability flags that hold only with some options (pp provides ``split_backward`` under a
+#: zero-bubble schedule only; fsdp2 conflicts with it only when it reshards after forward).
+#: The compiler adds them to ``provides`` / ``conflicts`` when it checks conflicts.
+OptionFlags = Callable[[Any], dict[str, "OptionFlag"]]
+
 #: The argument names of every hook, checked when a plugin is registered (as pluggy checks
 #: hook implementations against their specs): a wrong hook fails on load, not mid-``apply``.
 HOOKS: dict[str, tuple[str, ...]] = {
@@ -78,7 +84,18 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "loss": ("model", "options", "ctx", "inputs"),
     "collectives": ("model", "options", "ctx", "inputs", "batch"),
     "cost": ("options", "layout"),
+    "provides_with": ("options",),
+    "conflicts_with": ("options",),
 }
+
+
+@attrs.frozen
+class OptionFlag:
+    """A capability flag that one of a plugin's options sets: ``key`` names that option
+    (``"schedule"``), ``fix`` says how to drop the flag (a conflict's report shows it)."""
+
+    key: str
+    fix: str
 
 
 def hook_problem(name: str, hook: Any) -> str | None:
@@ -117,7 +134,8 @@ class Plugin:
     ``axis``: the mesh axis whose process group the plugin works over. For a sized axis
     (``pp, dp_replicate, cp, tp, ep``) the options class must have ``size: int``.
     ``provides`` / ``requires`` / ``conflicts`` / ``before`` / ``after`` / ``consumes`` hold
-    capability flags. ``before={"data_parallel"}`` orders this plugin's step before every step
+    capability flags (``provides_with`` / ``conflicts_with``: flags that hold only with some
+    options, for conflicts). ``before={"data_parallel"}`` orders this plugin's step before every step
     that provides ``data_parallel``. ``reads``: the options of each provider of these capabilities
     reach ``apply`` (ep reads the fsdp2 options its experts' unit must follow).
     A ``consumes``d capability's provider runs no step of its own
@@ -154,6 +172,8 @@ class Plugin:
     loss: Loss | None = attrs.field(default=None, eq=False)
     collectives: Collectives | None = attrs.field(default=None, eq=False)
     cost: CostHook | None = attrs.field(default=None, eq=False)
+    provides_with: OptionFlags | None = attrs.field(default=None, eq=False)
+    conflicts_with: OptionFlags | None = attrs.field(default=None, eq=False)
     keeps_fqns: bool = True
     #: ``apply`` needs parameters with storage (DDP broadcasts and buckets them): on a model
     #: built on ``meta`` the plan materialises the parameters before this step.

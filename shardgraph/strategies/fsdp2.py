@@ -18,7 +18,7 @@ from ..core.values import (
     StepRunner,
     collective,
 )
-from ..plugins import Kind, Plugin
+from ..plugins import Kind, OptionFlag, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
@@ -138,6 +138,15 @@ def _grad_sync(model: nn.Module, options: FSDP2Options, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
+def _conflicts_with(options: FSDP2Options) -> dict[str, OptionFlag]:
+    """Resharding after forward frees the parameters that a zero-bubble pipeline's later
+    weight-gradient pass still reads: its gradients come out wrong (measured at pp 2 x dp 2)."""
+    if not options.reshard_after_forward:
+        return {}
+    return {"split_backward": OptionFlag(
+        "reshard_after_forward", "leave reshard_after_forward unset (off under pp) or false")}
+
+
 def _cost(options: FSDP2Options, layout) -> Cost:
     rafp = options.reshard_after_forward
     return Cost(states="sharded", cpu_offload=options.cpu_offload,
@@ -152,6 +161,7 @@ PLUGIN = Plugin(
     axis=Axis.DP_SHARD,
     provides={"data_parallel", "sharded_data_parallel", "fully_shard"},
     cost=_cost,
+    conflicts_with=_conflicts_with,
     consumes={"precision_policy"},
     reads={"pipeline_parallel"},  # the stages to wrap as roots
     model_check=_model_check,

@@ -4,6 +4,12 @@
 (``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module.`` into every FQN and break
 checkpoints); ``"selective"`` wraps the block's ``forward`` (``selective_checkpoint``).
 
+Under a pipeline whose backward runs in two passes (zero bubble: input gradients, then weight
+gradients), the composable ``checkpoint`` fails in the second pass (torch 2.13: its recompute
+context is left twice), so full checkpointing wraps ``forward`` there too, with torch's plain
+non-reentrant checkpoint; a selective region cannot be backwarded twice at all, so selective
+mode conflicts with ``split_backward``.
+
 ``scopes`` names groups of modules by FQN globs, for composite models whose parts are
 checkpointed independently (a speech encoder and an LLM: ``{"llm": "llm.model.layers.*",
 "perception": ["encoder.layers.*", "adapter.*"]}``). A glob's outermost matches are checkpointed
@@ -26,8 +32,8 @@ import attrs
 from ...core.blocks import blocks_violation, find_blocks
 from ...core.costs import Cost
 from ...core.errors import Violation, choices_hint, did_you_mean
-from ...core.values import Recomputation
-from ...plugins import Kind, Plugin
+from ...core.values import Recomputation, StepRunner
+from ...plugins import Kind, OptionFlag, Plugin
 from ._policy import selective_contexts
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -109,8 +115,11 @@ def _apply(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshC
            inputs: dict[str, Any]):
     from torch.distributed._composable import checkpoint
 
+    pipeline = inputs.get("pipeline_parallel")
     if options.mode == "selective":
         checkpoint = selective_checkpoint  # noqa: F811 - the same role, another mechanism
+    elif isinstance(pipeline, StepRunner) and pipeline.splits_backward:
+        checkpoint = whole_checkpoint  # noqa: F811 - survives a backward in two passes
     if not options.scopes:
         for _, block in find_blocks(model, options.blocks):
             checkpoint(block)
@@ -146,6 +155,14 @@ def _export(options: ActivationCheckpointingOptions, layout, inputs: dict[str, A
     return {"activation_checkpointing": Recomputation(_recomputing)}
 
 
+def _conflicts_with(options: ActivationCheckpointingOptions) -> dict[str, OptionFlag]:
+    """A selective region is backwarded once (torch refuses "an extra time"); a zero-bubble
+    pipeline backwards it twice, input gradients then weight gradients."""
+    if options.mode != "selective":
+        return {}
+    return {"split_backward": OptionFlag("mode", "use mode = 'full' under this schedule")}
+
+
 def _cost(options, layout) -> Cost:
     # full: every checkpointed block keeps its input and runs its forward again in backward;
     # selective keeps the policy's outputs (``_policy``) and runs about half its matmuls again
@@ -164,14 +181,24 @@ def selective_checkpoint(module: nn.Module) -> None:
     names do not change, and ``torch.compile`` of the block traces the checkpoint as one region
     whose policy its partitioner follows.
     """
+    _wrap_forward(module, context_fn=selective_contexts)
+
+
+def whole_checkpoint(module: nn.Module) -> None:
+    """Checkpoint ``module``'s forward whole, with torch's non-reentrant checkpoint around
+    ``forward`` (hooks outside, names kept): what a backward split into an input pass and a
+    weight pass runs correctly."""
+    _wrap_forward(module)
+
+
+def _wrap_forward(module: nn.Module, **checkpoint_options: Any) -> None:
     from torch.utils.checkpoint import checkpoint
 
     forward = module.forward
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_contexts,
-                          **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **checkpoint_options, **kwargs)
 
     module.forward = checkpointed
 
@@ -181,6 +208,8 @@ PLUGIN = Plugin(
     kind=Kind.POLICY,
     options=ActivationCheckpointingOptions,
     provides={"activation_checkpointing"},
+    reads={"pipeline_parallel"},  # a backward in two passes needs another checkpoint
+    conflicts_with=_conflicts_with,
     cost=_cost,
     before={"data_parallel"},
     check=_check,

@@ -46,7 +46,7 @@ from ...core.axes import Axis
 from ...core.costs import Cost, PipelineCost
 from ...core.errors import Violation, choices_hint, did_you_mean
 from ...core.values import Applied, BatchShape, collective
-from ...plugins import Kind, Plugin
+from ...plugins import Kind, OptionFlag, Plugin
 
 
 @attrs.frozen
@@ -54,6 +54,8 @@ class Schedule:
     torch_class: str  # name in torch.distributed.pipelining.schedules
     stages_per_rank: int  # default virtual stages per rank (1: single-stage schedule)
     v_shape: bool = False  # stages placed in a V (rank r holds stages r and 2*pp-1-r)
+    #: backward in two passes per microbatch, input gradients then weight gradients (zero bubble)
+    split_backward: bool = False
 
 
 _S = {
@@ -61,9 +63,11 @@ _S = {
     "ScheduleGPipe": Schedule("ScheduleGPipe", 1),
     "ScheduleInterleaved1F1B": Schedule("ScheduleInterleaved1F1B", 2),
     "ScheduleLoopedBFS": Schedule("ScheduleLoopedBFS", 2),
-    "ScheduleInterleavedZeroBubble": Schedule("ScheduleInterleavedZeroBubble", 2),
-    "ScheduleZBVZeroBubble": Schedule("ScheduleZBVZeroBubble", 2, v_shape=True),
-    "ScheduleDualPipeV": Schedule("ScheduleDualPipeV", 2, v_shape=True),
+    "ScheduleInterleavedZeroBubble": Schedule("ScheduleInterleavedZeroBubble", 2,
+                                              split_backward=True),
+    "ScheduleZBVZeroBubble": Schedule("ScheduleZBVZeroBubble", 2, v_shape=True,
+                                      split_backward=True),
+    "ScheduleDualPipeV": Schedule("ScheduleDualPipeV", 2, v_shape=True, split_backward=True),
 }
 
 #: Every accepted schedule name (lower-cased) -> its torch schedule. One table: the seed names,
@@ -261,10 +265,22 @@ def _collectives(model, options: PPOptions, ctx, inputs, batch: BatchShape) -> l
                       "activations forward and their gradients backward, per stage boundary")
 
 
-#: schedules whose forwards all run before any backward, and those that split backward into
-#: input- and weight-gradient passes (torch's zero-bubble family)
+#: schedules whose forwards all run before any backward
 _FORWARD_FIRST = {"ScheduleGPipe", "ScheduleLoopedBFS"}
-_SPLIT_BACKWARD = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+
+
+def _provides_with(options: PPOptions) -> dict[str, OptionFlag]:
+    """``split_backward`` under a zero-bubble schedule: torch runs each microbatch's backward
+    as an input-gradient pass and a later weight-gradient pass, which selective checkpointing
+    (a region backwarded twice) and fsdp2 resharding after forward (the weight pass reads freed
+    parameters: wrong gradients) do not survive (torch 2.13)."""
+    sched = schedule(options.schedule)
+    if sched is None or not sched.split_backward:
+        return {}
+    whole = ", ".join(n for n, s in SCHEDULES.items() if n == _CANONICAL[s.torch_class]
+                      and not s.split_backward)
+    return {"split_backward": OptionFlag(
+        "schedule", f"choose a schedule that runs each backward whole ({whole})")}
 
 
 def _cost(options: PPOptions, layout) -> Cost:
@@ -274,7 +290,7 @@ def _cost(options: PPOptions, layout) -> Cost:
     return Cost(pipeline=PipelineCost(
         schedule=sched.torch_class, stages_per_rank=per_rank, v_shape=sched.v_shape,
         forward_first=sched.torch_class in _FORWARD_FIRST,
-        split_backward=sched.torch_class in _SPLIT_BACKWARD,
+        split_backward=sched.split_backward,
         microbatch_size=options.microbatch_size, layers_per_stage=options.layers_per_stage,
         split=split_layers))
 
@@ -292,6 +308,7 @@ PLUGIN = Plugin(
     apply=_apply,
     collectives=_collectives,
     cost=_cost,
+    provides_with=_provides_with,
     keeps_fqns=False,
     doc="pipeline parallelism: stages from the model's pp plan, torch pipelining schedules",
 )

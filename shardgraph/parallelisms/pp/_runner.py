@@ -95,6 +95,8 @@ class Pipeline:
         self.n_stages = n_stages
         self.options = options
         self.schedule_spec = schedule
+        #: the schedule backwards each microbatch in two passes (StepRunner's contract)
+        self.splits_backward = schedule.split_backward
         self._ctx = ctx
         self._rules = microbatch_rules
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
