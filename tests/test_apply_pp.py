@@ -224,7 +224,8 @@ def _v_tied(world_size: int) -> dict:
 def _reductions(world_size: int) -> dict:
     """Gradient reductions (fsdp2's reduce-scatters) in one step with accumulation (4
     micro-batches of one sequence): folded into the schedule, each unit reduces once; two
-    schedule passes (what an accumulation loop around the schedule did) reduce twice."""
+    schedule passes (what an accumulation loop around the schedule did) reduce twice. A second
+    accumulation size (``micro_batch_size``) is refused before the step touches anything."""
     plan = Graph().add("pp", size=2, schedule="interleaved_1f1b").add("fsdp2").compile(
         world_size=world_size)
     ctx = plan.build_mesh("cpu")
@@ -243,7 +244,15 @@ def _reductions(world_size: int) -> dict:
     local = batch(global_batch=8).chunk(dp.size())[dp.get_local_rank()]
     dist.reduce_scatter_single = counted
     try:
-        parallel.step({"input_ids": local}, None, micro_batch_size=1)
+        try:
+            parallel.step({"input_ids": local}, None, micro_batch_size=2)
+            refused = None
+        except PlanError as exc:
+            refused = (exc.key, str(exc), len(calls))
+        parallel.step({"input_ids": local}, None, micro_batch_size=len(local))  # no-op size
+        parallel.step({"input_ids": local}, None, micro_batch_size=1)  # the schedule's own
+        calls.clear()
+        parallel.step({"input_ids": local}, None)
         folded = len(calls)
         calls.clear()
         for half in local.split(2):
@@ -251,7 +260,7 @@ def _reductions(world_size: int) -> dict:
         two_passes = len(calls)
     finally:
         dist.reduce_scatter_single = original
-    return {"units": units, "folded": folded, "two_passes": two_passes}
+    return {"units": units, "folded": folded, "two_passes": two_passes, "refused": refused}
 
 
 EXTRA = {"lengths": _lengths, "v_tied": _v_tied, "reductions": _reductions}
@@ -393,6 +402,29 @@ def test_accumulation_folds_into_the_schedule_one_reduction_per_step(world4):
         assert got["units"] > 0
         assert got["folded"] == got["units"], got  # 4 micro-batches, one reduce-scatter each
         assert got["two_passes"] == 2 * got["units"], got  # torch syncs every schedule pass
+        key, text, reductions = got["refused"]
+        assert key == "micro_batch_size" and reductions == 0, got
+        assert "microbatches of 1" in text and "microbatch_size option" in text, text
+
+
+@pytest.mark.parametrize("lbs", [None, 8])
+def test_a_second_accumulation_size_under_pp_is_refused_at_compile(lbs):
+    """[train] micro_batch_size other than pp's microbatch_size would be ignored (the schedule
+    takes the whole local batch, its microbatches are the accumulation): refused, naming both
+    keys and the fix."""
+    graph = Graph(micro_batch_size=2, local_batch_size=lbs,
+                  keys={"micro_batch_size": "train.micro_batch_size"}).add("pp", size=2)
+    with pytest.raises(PlanError, match=r"micro_batch_size = 2 but pp's microbatch_size = 1"
+                       ) as err:
+        graph.compile(world_size=2)
+    assert err.value.keys == ("train.micro_batch_size", "plugins.pp.microbatch_size")
+    assert err.value.rule == "option" and "set plugins.pp.microbatch_size = 2" in str(err.value)
+    assert ("8 // 2 = 4 microbatches" in str(err.value)) == (lbs == 8)
+    # the schedule's own size or the whole local batch is no second size; without pp the size
+    # is the accumulation
+    Graph(micro_batch_size=2).add("pp", size=2, microbatch_size=2).compile(world_size=2)
+    Graph(micro_batch_size=8, local_batch_size=8).add("pp", size=2).compile(world_size=2)
+    Graph(micro_batch_size=2).add("fsdp2").compile(world_size=2)
 
 
 # -- rejections: compile time, or model checks before the model changes ----------------------

@@ -21,7 +21,7 @@ from shardgraph import Graph, PlanError, builtin_registry
 from shardgraph.plugins import Kind, Plugin
 from tests import _dist
 from tests.models import full, tiny_llama
-from tests.test_same_numbers import CLIP, LR, WD, batches, reference, tiny_moe
+from tests.test_same_numbers import CLIP, LR, WD, _micro, batches, reference, tiny_moe
 
 CHUNK = 5
 
@@ -52,7 +52,7 @@ def _run(name: str, world: int) -> dict:
     losses, norms = [], []
     for b in batches():
         local = {k: v.chunk(dp.size())[dp.get_local_rank()] for k, v in b.items()}
-        out = parallel.step(local, opt, micro_batch_size=micro, grad_clip=CLIP)
+        out = parallel.step(local, opt, micro_batch_size=_micro(parallel, micro), grad_clip=CLIP)
         losses.append(out.loss)
         norms.append(out.grad_norm)
     params = {n.removeprefix("module."): full(p) for n, p in parallel.named_parameters()}

@@ -166,6 +166,12 @@ LAYOUTS = {
 }
 
 
+def _micro(parallel, micro: int) -> int | None:
+    """The accumulation size a step takes: under pp none, its schedule's microbatches (pp's
+    ``microbatch_size``) are the accumulation and a step refuses a second size."""
+    return None if parallel.runner is not None else micro
+
+
 def _run(name: str, world: int) -> dict:
     import torch.distributed as dist
 
@@ -188,7 +194,8 @@ def _run(name: str, world: int) -> dict:
         warnings.simplefilter("always")
         for b in batches():
             local = {k: v.chunk(dp.size())[dp.get_local_rank()] for k, v in b.items()}
-            out = parallel.step(local, opt, micro_batch_size=micro, grad_clip=CLIP)
+            out = parallel.step(local, opt, micro_batch_size=_micro(parallel, micro),
+                                grad_clip=CLIP)
             losses.append(out.loss)
             norms.append(out.grad_norm)
     params = {n.removeprefix("module."): full(p) for n, p in parallel.named_parameters()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from shardgraph import PlanError
@@ -159,3 +161,17 @@ def test_adamw_takes_betas_and_eps_and_a_checkpoint_records_them():
         ckpt.check_compatible(saved, ckpt.settings(tuned), "step_1")
     ckpt.check_compatible(saved, ckpt.settings(loads_pipeline(GOOD.replace(
         '"sgd"', '"adamw"\nbetas = [0.9, 0.999]'))), "step_1")  # torch's, said out loud
+
+
+def test_train_micro_batch_size_under_pp_is_refused_naming_the_train_key():
+    """[train] micro_batch_size reaches the plan's rules: under pp the schedule's microbatches
+    are the accumulation, so the file's second size is refused at compile, before launch."""
+    text = (Path(__file__).parents[1] / "examples" / "pp_fsdp2.toml").read_text()
+    pipeline = loads_pipeline(text.replace('lr = 0.003', 'lr = 0.003\nmicro_batch_size = 1'))
+    with pytest.raises(PlanError, match=r"micro_batch_size = 1 but pp's microbatch_size = 2"
+                       ) as err:
+        pipeline.graph.compile()
+    assert err.value.key == "train.micro_batch_size"
+    assert "set plugins.pp.microbatch_size = 1" in str(err.value)
+    loads_pipeline(text).graph.compile()  # the example itself sizes pp's microbatches only
+    loads_pipeline(text.replace('lr = 0.003', 'lr = 0.003\nmicro_batch_size = 2')).graph.compile()

@@ -15,6 +15,8 @@ class Settings:
 
     packed_sequence_size: int = 0
     local_batch_size: int | None = None
+    #: sequences per forward/backward pass of gradient accumulation ([train] micro_batch_size)
+    micro_batch_size: int | None = None
 
 
 @attrs.frozen

@@ -164,10 +164,12 @@ class StepRunner(Protocol):
 
     ``splits_backward``: each micro-batch's backward runs as two passes, input gradients then
     weight gradients (torch's zero-bubble schedules), so a checkpointed region is backwarded
-    twice.
+    twice. ``microbatch_size``: the sequences of one of its micro-batches (its schedule's
+    micro-batches are the gradient accumulation: a step hands it the whole local batch).
     """
 
     splits_backward: bool
+    microbatch_size: int
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

@@ -118,7 +118,10 @@ def _settings(graph: Graph, bad: list[Violation]) -> Settings:
             f"packed sequences need local_batch_size = 1, got {lbs}",
             hint="set local_batch_size = 1 (a pack already holds several sequences)",
         ))
-    return Settings(packed_sequence_size=packed, local_batch_size=lbs)
+    mbs = graph.micro_batch_size
+    if mbs is not None:
+        mbs = positive(mbs, graph.key("micro_batch_size"), bad)
+    return Settings(packed_sequence_size=packed, local_batch_size=lbs, micro_batch_size=mbs)
 
 
 def _resolve(entries, registry: Registry, bad: list[Violation]):

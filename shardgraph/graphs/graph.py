@@ -33,13 +33,15 @@ class Graph:
     """A pipeline under construction. Plugins may be added in any order: the plan orders them.
 
     ``dp_size``, ``packed_sequence_size`` and ``local_batch_size`` are the settings the
-    compiler checks (NeMo's ``dp_size``, ``packed_sequence_size``, ``local_batch_size``).
+    compiler checks (NeMo's ``dp_size``, ``packed_sequence_size``, ``local_batch_size``);
+    ``micro_batch_size`` (a training file's ``[train] micro_batch_size``) too.
     """
 
     entries: list[Entry] = attrs.field(factory=list)
     dp_size: int | None = None
     packed_sequence_size: int = 0
     local_batch_size: int | None = None
+    micro_batch_size: int | None = None
     world_size: int | None = None
     gpus_per_node: int | None = None
     #: where each graph-level setting came from in the user's input (for error keys)

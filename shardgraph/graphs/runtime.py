@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from ..core.axes import Axis
+from ..core.errors import PlanError, Violation
 from ..core.values import StepRunner, TokenLoss
 
 if TYPE_CHECKING:
@@ -231,6 +232,24 @@ class ParallelModel:
                 if p.grad is not None:
                     p.grad.mul_(coef)
 
+    def _pass_size(self, micro_batch_size: int | None, local: int) -> int:
+        """Sequences per forward/backward pass: ``micro_batch_size`` (gradient accumulation),
+        or the whole local batch. A ``StepRunner`` (a pipeline schedule) takes the whole batch
+        and cuts its own microbatches, which are the accumulation: a size that is not its
+        microbatch size (nor the whole batch) is refused, not ignored (the plan's compile
+        refuses ``[train] micro_batch_size`` the same way)."""
+        if self.runner is None:
+            return micro_batch_size or local
+        own = self.runner.microbatch_size
+        if micro_batch_size not in (None, local, own):
+            raise PlanError([Violation(
+                "option", ("micro_batch_size",),
+                f"micro_batch_size = {micro_batch_size} with a local batch of {local}: this "
+                f"plan's pipeline schedule cuts the whole batch into microbatches of {own}, "
+                "which are the gradient accumulation", hint=f"leave micro_batch_size out (or "
+                f"pass {own}); the pipeline plugin's microbatch_size option sizes them")])
+        return local
+
     # -- one step -------------------------------------------------------------------------
     def step(self, batch: Mapping[str, torch.Tensor] | torch.Tensor,
              optimizer: torch.optim.Optimizer | None, *, micro_batch_size: int | None = None,
@@ -252,10 +271,7 @@ class ParallelModel:
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return token_loss(output, target) * scale
 
-        size = micro_batch_size or input_ids.shape[0]
-        if self.runner is not None:
-            # its schedule's microbatches are the accumulation: one pass, one reduction
-            size = input_ids.shape[0]
+        size = self._pass_size(micro_batch_size, input_ids.shape[0])
         chunks = list(zip(input_ids.split(size), labels.split(size),
                           _split(batch, size, self.ctx.device)))
         loss = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
@@ -287,9 +303,7 @@ class ParallelModel:
 
         loss_fn = self.token_loss()  # the summed token losses, as a step computes them
 
-        size = micro_batch_size or input_ids.shape[0]
-        if self.runner is not None:  # its schedule cuts the batch into microbatches itself
-            size = input_ids.shape[0]
+        size = self._pass_size(micro_batch_size, input_ids.shape[0])
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         was_training = self.module.training
         self.module.eval()

@@ -328,6 +328,11 @@ def pipeline_and_problems(data: Mapping[str, Any],
     graph = graph_from_dict(data, strict=False)
     sections = {name: _section(name, data.get(name, {}), bad) for name in SECTIONS}
     _rules(sections, bad)
+    train = sections["train"]
+    if train.micro_batch_size is not None and train.micro_batch_size >= 1:
+        # the plan's rules judge it too (a pipeline's schedule is its own accumulation)
+        graph.micro_batch_size = train.micro_batch_size
+        graph.keys["micro_batch_size"] = "train.micro_batch_size"
     _recipe_rules(sections, "validation" in data, bad)
     return Pipeline(graph=graph, source=source, raw=dict(data), **sections), bad
 

@@ -156,12 +156,31 @@ def _check(options: PPOptions, layout, settings) -> list[Violation]:
     if sched is not None and options.stages is not None:
         bad += _explicit_stage_violations(options, sched)
     lbs = settings.local_batch_size
+    bad += _accumulation_violations(options, settings)
     if sched is not None and lbs is not None and options.microbatch_size >= 1:
         n_stages = (len(options.stages) if options.stages
                     else options.size * (options.stages_per_rank or sched.stages_per_rank))
         bad += microbatch_violations(options, sched, n_stages, lbs,
                                      ("microbatch_size", "settings.local_batch_size"))
     return bad
+
+
+def _accumulation_violations(options: PPOptions, settings) -> list[Violation]:
+    """A pipeline's schedule is its gradient accumulation: it cuts the whole local batch into
+    microbatches of ``microbatch_size`` and reduces gradients once per step. A second
+    accumulation size would either be ignored or loop the schedule (one reduction and one
+    pipeline fill and drain per pass), so the training one is refused and the fix named."""
+    mbs, lbs = settings.micro_batch_size, settings.local_batch_size
+    if mbs in (None, lbs, options.microbatch_size):  # no accumulation, or the schedule's own
+        return []
+    per = f" ({lbs} // {mbs} = {lbs // mbs} microbatches)" if lbs and mbs <= lbs else ""
+    return [Violation(
+        "option", ("settings.micro_batch_size", "microbatch_size"),
+        f"micro_batch_size = {mbs} but pp's microbatch_size = {options.microbatch_size}: the "
+        "pipeline schedule's microbatches are the gradient accumulation (the whole local batch "
+        "in one schedule step, gradients reduced once), so a second size would be ignored",
+        hint=f"set plugins.pp.microbatch_size = {mbs}{per} and remove micro_batch_size "
+        "(or give both the same value)")]
 
 
 def _explicit_stage_violations(options: PPOptions, sched: Schedule) -> list[Violation]:

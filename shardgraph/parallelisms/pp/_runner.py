@@ -97,6 +97,7 @@ class Pipeline:
         self.schedule_spec = schedule
         #: the schedule backwards each microbatch in two passes (StepRunner's contract)
         self.splits_backward = schedule.split_backward
+        self.microbatch_size = options.microbatch_size
         self._ctx = ctx
         self._rules = microbatch_rules
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
