@@ -131,6 +131,13 @@ def _scenario(name: str, world_size: int) -> dict:
     diff = 0.0
     for n, p in model.named_parameters():
         diff = max(diff, (full(p).float() - ref_params[n].float()).abs().max().item())
+    kept = _kept_outputs(parallel.runner)  # after the step: the last stage's logits
+    kept_after_eval = 0
+    if not parallel.runner.splits_backward:
+        # (torch 2.13's eval of a zero-bubble schedule runs its V's local backward hand-off
+        # and asserts: validation under these schedules is a known gap)
+        parallel.evaluate(local)
+        kept_after_eval = _kept_outputs(parallel.runner)
     owned = {n for n, _ in model.named_parameters()}
     return {
         "loss": loss, "ref_loss": ref_loss, "param_diff": diff,
@@ -141,7 +148,7 @@ def _scenario(name: str, world_size: int) -> dict:
         "sent_dtypes": sorted(set(sent_dtypes)),
         "checkpointed": sorted(n for n, m in model.named_modules()
                                if "checkpoint" in (_get_registry(m) or {})),
-        "called": called, "too_small": too_small,
+        "called": called, "too_small": too_small, "kept_outputs": (kept, kept_after_eval),
         "fsdp_roots": [type(p).__name__.startswith("FSDP") for p in parallel.parts],
         # fully_shard keeps no post-forward mesh when it does not reshard after forward
         "resharded": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
@@ -150,6 +157,13 @@ def _scenario(name: str, world_size: int) -> dict:
         "dtensor_meshes": sorted({str(p.device_mesh.mesh_dim_names) for p in model.parameters()
                                   if isinstance(p, DTensor)}),
     }
+
+
+def _kept_outputs(runner) -> int:
+    """Stage outputs torch's schedules hold once their step returned (their private lists)."""
+    stages = [st for sched in runner._schedules.values()
+              for st in (getattr(sched, "_stages", None) or [sched._stage])]
+    return sum(len(st.output_chunks) for st in stages)
 
 
 def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -307,6 +321,15 @@ def test_stages_are_placed_looped_or_in_a_v(world2):
     assert [r["interleaved_1f1b"]["stage_ids"] for r in world2] == [[0, 2], [1, 3]]
     assert [r["v_schedule"]["stage_ids"] for r in world2] == [[0, 3], [1, 2]]
     assert [r["DualPipeV"]["stage_ids"] for r in world2] == [[0, 3], [1, 2]]
+
+
+def test_no_stage_keeps_its_outputs_after_a_step_or_a_validation_pass(world2, world4):
+    """The losses are what a step needs: the last stage keeps no microbatch's logits."""
+    for results in (world2, world4):
+        for r in results:
+            for name, got in r.items():
+                if "kept_outputs" in got:
+                    assert got["kept_outputs"] == (0, 0), (name, got["kept_outputs"])
 
 
 def test_unused_modules_are_removed_and_fqns_kept(world2):

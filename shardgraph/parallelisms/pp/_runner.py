@@ -219,7 +219,11 @@ class Pipeline:
             try:
                 schedule = self._schedule(n, scale_grads, tuple(inputs.shape))
                 run = schedule.eval if forward_only else schedule.step
-                run(*args, target=target, losses=losses, **(kwargs or {}))
+                # The losses are all a step or a validation pass needs: by default the last
+                # stage would keep every microbatch's logits until the next step, to return
+                # them merged (eval passes the flag on to step).
+                run(*args, target=target, losses=losses, return_outputs=False,
+                    **(kwargs or {}))
             except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
                 watch.failed(exc)
         loss = torch.zeros((), dtype=torch.float32)
