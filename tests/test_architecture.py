@@ -7,7 +7,8 @@ those count too (except the importer's own packages, which are already running).
 
 - the graph has no cycle;
 - no plugin module imports another plugin's module, and every private module under
-  ``parallelisms/`` and ``strategies/`` lives in its plugin's package;
+  ``parallelisms/`` and ``strategies/`` lives in its plugin's package, except the shared
+  helpers (``parallelisms/_shared``), which serve several plugins and import none;
 - the planner imports no plugin module, no ``train/`` module and no command module; ``train/``
   imports no command module but its own;
 - one step path: ``ParallelModel.step``; no ``Plan.train_step``, no ``graphs/train_step.py``.
@@ -23,6 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "shardgraph"
 PLUGIN_HOMES = ("shardgraph.parallelisms", "shardgraph.strategies")
+#: helpers several plugins import (a layer between the plugins and core/), not a plugin
+SHARED = "shardgraph.parallelisms._shared"
 
 
 def _module_name(path: Path) -> str:
@@ -124,6 +127,8 @@ def _cycles() -> list[list[str]]:
 
 def owner(module: str) -> str | None:
     """The plugin a module belongs to: ``shardgraph.parallelisms.tp._styles`` -> ``tp``."""
+    if module == SHARED or module.startswith(SHARED + "."):
+        return None
     for home in PLUGIN_HOMES:
         if module.startswith(home + "."):
             return module[len(home) + 1:].split(".")[0]
@@ -157,6 +162,15 @@ def test_no_plugin_module_imports_another_plugins_module():
     assert crossing == []
 
 
+def test_the_shared_helpers_import_no_plugin_and_serve_several():
+    shared = [m for m in MODULES if m == SHARED or m.startswith(SHARED + ".")]
+    assert shared, f"{SHARED} is gone: update SHARED and CONTRIBUTING.md's layers"
+    wrong = sorted(f"{a} -> {b}" for a in shared for b in GRAPH[a] if owner(b))
+    assert wrong == []
+    users = {owner(a) for a, targets in GRAPH.items() if owner(a) and set(shared) & targets}
+    assert len(users) >= 2, f"only {users} use {SHARED}: move it into that plugin's package"
+
+
 def test_a_private_module_serves_one_plugin_from_its_package():
     loose = sorted(m for m in MODULES if owner(m) and owner(m).startswith("_"))
     assert loose == [], "move each into the package of the plugin it serves"
@@ -170,6 +184,8 @@ def test_a_private_module_serves_one_plugin_from_its_package():
                            "shardgraph.planner", "shardgraph.cli", "shardgraph.lightning")),
     ("shardgraph.core", ("shardgraph.plugins", "shardgraph.parallelisms", "shardgraph.strategies",
                          "shardgraph.graphs", "shardgraph.weights", "shardgraph.train")),
+    (SHARED, ("shardgraph.strategies", "shardgraph.plugins", "shardgraph.graphs",
+              "shardgraph.weights", "shardgraph.train")),
 ])
 def test_layers_import_only_what_lies_below_them(layer, banned):
     # a ``__main__`` is a command's entry (``python -m shardgraph.train``), above every layer

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .._shared import KeepFrozenSequenceParallel
+
+__all__ = ["GatherSequence", "KeepFrozenSequenceParallel", "ScatterSequence", "Whole"]
 
 
 class GatherSequence(ParallelStyle):
@@ -55,16 +59,3 @@ class Whole(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         GatherSequence()._apply(module, device_mesh)
         return ScatterSequence()._apply(module, device_mesh)
-
-
-class KeepFrozenSequenceParallel(SequenceParallel):
-    """``SequenceParallel`` that keeps each parameter's ``requires_grad``: torch's replicates a
-    norm's weight into a new, trainable ``nn.Parameter``, which would train the frozen norms of
-    a LoRA model."""
-
-    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh):
-        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-        super()._replicate_module_fn(name, module, device_mesh)
-        for n, p in module.named_parameters():
-            if n in frozen:
-                p.requires_grad_(False)

@@ -15,16 +15,12 @@ import attrs
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ...core.blocks import input_embeddings
 from ...core.values import TPLayout
+from .._shared import KeepFrozenSequenceParallel
 
 LINEAR = (nn.Linear,)
 EMBEDDING = (nn.Embedding,)
@@ -189,19 +185,6 @@ def _replicated(grad):
     if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
         return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
     return grad
-
-
-class KeepFrozenSequenceParallel(SequenceParallel):
-    """``SequenceParallel`` that keeps each parameter's ``requires_grad``: torch's replicates a
-    norm's weight into a new, trainable ``nn.Parameter``, which would train the frozen norms of
-    a LoRA model."""
-
-    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh):
-        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-        super()._replicate_module_fn(name, module, device_mesh)
-        for n, p in module.named_parameters():
-            if n in frozen:
-                p.requires_grad_(False)
 
 
 class ResidualRowwise(RowwiseParallel):
