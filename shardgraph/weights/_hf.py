@@ -192,12 +192,43 @@ def save_hf(model: nn.Module, out: str | Path, *, config, all_tensors: dict[str,
     ``all_tensors``: name -> (shape, dtype) of every parameter of the whole model (a rank under
     pp holds only its stages', so the file plan comes from the unsplit model).
     """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = _distinct(get_model_state_dict(model), model)
+    state = {n: t for n, t in state.items() if n in all_tensors}
+    sizes = [(n, _nbytes(shape, dtype)) for n, (shape, dtype) in all_tensors.items()]
+
+    def finish(tmp: Path) -> None:
+        files = safetensors_files(tmp)
+        if len(files) == 1:  # HF's name for an unsharded checkpoint, which has no index
+            files[0].rename(tmp / "model.safetensors")
+            (tmp / INDEX).unlink(missing_ok=True)
+        config.save_pretrained(str(tmp))
+        if source_dir is not None:
+            for f in Path(source_dir).iterdir():
+                if f.is_file() and not f.name.endswith(_WEIGHTS_OR_CONFIG) \
+                        and f.name not in ("config.json", INDEX) and not f.name.endswith(".json.part"):
+                    shutil.copy2(f, tmp / f.name)
+
+    return write_safetensors(state, out, file_plan(sizes, max_shard_bytes), key=key,
+                             finish=finish)
+
+
+def write_safetensors(state: dict[str, torch.Tensor], out: str | Path, files: dict[str, int],
+                      *, key: str, finish: Callable[[Path], None]) -> Path:
+    """Write ``state`` (this rank's tensors, DTensors whole or sharded, under the names they get
+    in the files) as consolidated safetensors into the new directory ``out``; a collective.
+
+    ``files``: every name of the whole model -> its file index (1-based; a pipeline rank holds
+    only its stages' names). Each rank writes the shards it holds (DCP's
+    ``HuggingFaceStorageWriter``), the ranks consolidate them file by file, then rank 0 calls
+    ``finish(tmp)`` to add the directory's other files before it moves into place whole.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files_on_every_rank,
     )
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -209,29 +240,16 @@ def save_hf(model: nn.Module, out: str | Path, *, config, all_tensors: dict[str,
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    state = _distinct(get_model_state_dict(model), model)
-    state = {n: t for n, t in state.items() if n in all_tensors}
-    sizes = [(n, _nbytes(shape, dtype)) for n, (shape, dtype) in all_tensors.items()]
-    plan = file_plan(sizes, max_shard_bytes)
     sharded = tmp / "sharded"
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(
-            str(sharded), save_distributed=True, fqn_to_index_mapping=plan))
+            str(sharded), save_distributed=True, fqn_to_index_mapping=files))
     _barrier()
-    consolidate_safetensors_files_on_every_rank(str(sharded), str(tmp), plan)
+    consolidate_safetensors_files_on_every_rank(str(sharded), str(tmp), files)
     if _rank() == 0:
         shutil.rmtree(sharded)
-        files = safetensors_files(tmp)
-        if len(files) == 1:  # HF's name for an unsharded checkpoint, which has no index
-            files[0].rename(tmp / "model.safetensors")
-            (tmp / INDEX).unlink(missing_ok=True)
-        config.save_pretrained(str(tmp))
-        if source_dir is not None:
-            for f in Path(source_dir).iterdir():
-                if f.is_file() and not f.name.endswith(_WEIGHTS_OR_CONFIG) \
-                        and f.name not in ("config.json", INDEX) and not f.name.endswith(".json.part"):
-                    shutil.copy2(f, tmp / f.name)
+        finish(tmp)
         _fsync_dir(tmp)
         if out.exists():
             out.rmdir()

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..core.errors import PlanError, Violation
 from ..core.values import LowRankAdapters
-from ._hf import _barrier, _distinct, _fsync_dir, _rank, safetensors_files
+from ._hf import _distinct, safetensors_files, write_safetensors
 from ._init import _local, _named_modules, canonical_name, local_part
 
 CONFIG = "adapter_config.json"
@@ -84,23 +80,8 @@ def save_peft(model: nn.Module, out: str | Path, adapters: LowRankAdapters, *,
               base: str | None = None, key: str = "checkpoint.export_peft") -> Path:
     """Write the adapters of ``model`` (parallelised or not) as a peft adapter directory at
     ``out``; a collective. ``base``: ``base_model_name_or_path`` of the config."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-        consolidate_safetensors_files_on_every_rank,
-    )
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if _rank() == 0:
-        if out.exists() and any(out.iterdir()):
-            raise PlanError([Violation("checkpoint", (key,), f"{out} exists and is not empty",
-                                       hint="choose a new directory or remove it")])
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier()
     wanted = {f"{fqn}.{part}.weight" for fqn in adapters.modules
               for part in (adapters.down, adapters.up)}
     state = {PREFIX + n: t for n, t in _distinct(get_model_state_dict(model), model).items()
@@ -110,24 +91,12 @@ def save_peft(model: nn.Module, out: str | Path, adapters: LowRankAdapters, *,
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, sorted(names))
         names = {n for part in every for n in part}
-    plan = {n: 1 for n in sorted(names)}
-    sharded = tmp / "sharded"
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        dcp.save(state, storage_writer=HuggingFaceStorageWriter(
-            str(sharded), save_distributed=True, fqn_to_index_mapping=plan))
-    _barrier()
-    consolidate_safetensors_files_on_every_rank(str(sharded), str(tmp), plan)
-    if _rank() == 0:
-        shutil.rmtree(sharded)
+
+    def finish(tmp: Path) -> None:
         for f in tmp.glob("*.json"):  # the consolidation's index: peft reads one file
             f.unlink()
         (file,) = safetensors_files(tmp)
         file.rename(tmp / WEIGHTS)
         (tmp / CONFIG).write_text(json.dumps(adapter_config(adapters, base), indent=2) + "\n")
-        _fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    _barrier()
-    return out
+
+    return write_safetensors(state, out, {n: 1 for n in sorted(names)}, key=key, finish=finish)
