@@ -21,7 +21,12 @@ from shardgraph import Graph, PlanError, builtin_registry
 from shardgraph.plugins import Kind, Plugin
 from tests import _dist
 from tests.models import full, tiny_llama
-from tests.test_same_numbers import CLIP, LR, WD, _micro, batches, reference, tiny_moe
+from tests.test_same_numbers import (
+    assert_matches_one_process,
+    reference,
+    tiny_moe,
+    train_recipe,
+)
 
 CHUNK = 5
 
@@ -47,14 +52,7 @@ def _run(name: str, world: int) -> dict:
     plan = graph().add("chunked_loss", chunk_size=CHUNK).compile(world_size=world)
     ctx = plan.build_mesh("cpu")
     parallel = plan.apply(model, ctx)
-    opt = torch.optim.AdamW(parallel.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    dp = ctx.mesh("dp")
-    losses, norms = [], []
-    for b in batches():
-        local = {k: v.chunk(dp.size())[dp.get_local_rank()] for k, v in b.items()}
-        out = parallel.step(local, opt, micro_batch_size=_micro(parallel, micro), grad_clip=CLIP)
-        losses.append(out.loss)
-        norms.append(out.grad_norm)
+    losses, norms, _ = train_recipe(parallel, ctx, micro)
     params = {n.removeprefix("module."): full(p) for n, p in parallel.named_parameters()}
     if plan.layout.pp > 1:  # each pipeline rank holds its stages' parameters
         parts: list = [None] * world
@@ -76,15 +74,7 @@ def world4() -> dict:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_chunked_loss_matches_the_plain_loss_in_one_process(world4, name):
     kind, _, micro = LAYOUTS[name]
-    ref = reference(kind, micro)
-    got = world4[name]
-    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
-    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    assert all(n > CLIP for n in ref["norms"])  # the clip was active at every step
-    assert got["params"].keys() == ref["params"].keys()
-    worst = max((got["params"][k].float() - v).abs().max().item()
-                for k, v in ref["params"].items())
-    assert worst < 1e-3, worst
+    assert_matches_one_process(world4[name], reference(kind, micro))
 
 
 class _Largest(TorchDispatchMode):

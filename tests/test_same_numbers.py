@@ -166,10 +166,31 @@ LAYOUTS = {
 }
 
 
-def _micro(parallel, micro: int) -> int | None:
-    """The accumulation size a step takes: under pp none, its schedule's microbatches (pp's
+def train_recipe(parallel, ctx, micro: int) -> tuple[list[float], list[float], object]:
+    """The recipe's steps on this rank's share of each batch: per-step losses, gradient norms,
+    and the optimizer. Under pp no accumulation size: its schedule's microbatches (pp's
     ``microbatch_size``) are the accumulation and a step refuses a second size."""
-    return None if parallel.runner is not None else micro
+    opt = torch.optim.AdamW(parallel.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    dp = ctx.mesh("dp")
+    losses, norms = [], []
+    for b in batches():
+        local = {k: v.chunk(dp.size())[dp.get_local_rank()] for k, v in b.items()}
+        out = parallel.step(local, opt, grad_clip=CLIP,
+                            micro_batch_size=None if parallel.runner is not None else micro)
+        losses.append(out.loss)
+        norms.append(out.grad_norm)
+    return losses, norms, opt
+
+
+def assert_matches_one_process(got: dict, ref: dict) -> None:
+    """The module docstring's tolerances, with the clip active at every step."""
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    assert all(n > CLIP for n in ref["norms"])  # the clip was active at every step
+    assert got["params"].keys() == ref["params"].keys()
+    worst = max((got["params"][k].float() - v).abs().max().item()
+                for k, v in ref["params"].items())
+    assert worst < 1e-3, worst
 
 
 def _run(name: str, world: int) -> dict:
@@ -187,17 +208,9 @@ def _run(name: str, world: int) -> dict:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     ctx = plan.build_mesh("cpu")
     parallel = plan.apply(model, ctx)
-    opt = torch.optim.AdamW(parallel.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    dp = ctx.mesh("dp")
-    losses, norms = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for b in batches():
-            local = {k: v.chunk(dp.size())[dp.get_local_rank()] for k, v in b.items()}
-            out = parallel.step(local, opt, micro_batch_size=_micro(parallel, micro),
-                                grad_clip=CLIP)
-            losses.append(out.loss)
-            norms.append(out.grad_norm)
+        losses, norms, opt = train_recipe(parallel, ctx, micro)
     params = {n.removeprefix("module."): full(p) for n, p in parallel.named_parameters()}
     trainable = sorted(n.removeprefix("module.") for n, p in parallel.named_parameters()
                        if p.requires_grad)
@@ -230,15 +243,8 @@ def world4() -> dict:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_losses_norms_and_parameters_match_one_process(world4, name):
     kind, _, micro = LAYOUTS[name]
-    ref = reference(kind, micro)
     got = world4[name]
-    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
-    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    assert all(n > CLIP for n in ref["norms"])  # the clip was active at every step
-    assert got["params"].keys() == ref["params"].keys()
-    worst = max((got["params"][k].float() - v).abs().max().item()
-                for k, v in ref["params"].items())
-    assert worst < 1e-3, worst
+    assert_matches_one_process(got, reference(kind, micro))
     # nothing for a user to act on: FSDP2's "returned a view tensor" (tp's logits) included
     assert got["warnings"] == [], got["warnings"]
     # a compiled layout ran compiled blocks (one graph per distinct block, a few more where a
