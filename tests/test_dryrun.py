@@ -117,3 +117,17 @@ def test_ddp_dryrun_measures_the_replicated_model(tmp_path):
     assert report["ideal_split"] == 1  # ddp replicates the whole model on every rank
     assert report["local_parameters"] == report["full_parameters"]
     assert any(c["op"] == "all_reduce" and c["group"] == "dp" for c in report["collectives"])
+
+
+def test_a_pipelines_accumulation_is_one_pass_for_the_strategys_collectives():
+    """Under pp the schedule runs the whole local batch (its microbatches are the
+    accumulation; its fsdp2 units reduce once a step, counted in test_apply_pp): a training
+    micro_batch_size equal to pp's microbatch_size does not multiply fsdp2's rows."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "examples" / "pp_fsdp2.toml").read_text()
+    rows = [{(r["op"], r["group"]): r["count"] for r in dryrun(loads_pipeline(t), world_size=4,
+                                                               rank=0)["collectives"]}
+            for t in (text, text.replace("lr = 0.003", "lr = 0.003\nmicro_batch_size = 2"))]
+    assert rows[0] == rows[1], rows
+    assert rows[0][("send/recv", "pp")] == 2 * 2  # local batch 4, microbatches of 2

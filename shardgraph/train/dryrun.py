@@ -84,8 +84,11 @@ def collectives(parallel, pipeline: Pipeline, plan, ctx) -> list[dict[str, Any]]
     lay, t = plan.layout, pipeline.train
     local_batch = t.global_batch_size // max(lay.dp, 1)
     config = getattr(parallel.module, "config", None)
-    batch = BatchShape(local_batch=local_batch,
-                       micro_batches=local_batch // (t.micro_batch_size or local_batch),
+    # A step runner (a pipeline schedule) takes the whole local batch in one pass: its own
+    # microbatches are its accumulation, and the units it runs gather and reduce once a step.
+    passes = 1 if parallel.runner is not None else local_batch // (t.micro_batch_size
+                                                                   or local_batch)
+    batch = BatchShape(local_batch=local_batch, micro_batches=passes,
                        seq_len=pipeline.data.seq_len, hidden=getattr(config, "hidden_size", 0),
                        act_bytes=torch.float32.itemsize)
     rows: list[dict[str, Any]] = []
