@@ -26,16 +26,19 @@ def _start(files: list[str], report: Path, extra: list[str]) -> subprocess.Popen
          *extra, *files], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _outcomes(report: Path) -> dict[str, str]:
-    """test id -> passed / failed / error / skipped, from one JUnit report."""
+def _outcomes(report: Path) -> dict[str, tuple[str, str]]:
+    """test id -> (passed / failed / error / skipped, the failure's first line), from one JUnit
+    report."""
     if not report.exists():
-        return {"<pytest did not write a report>": "error"}
+        return {"<pytest did not write a report>": ("error", "")}
     found = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        kinds = [child.tag for child in case]
-        found[name] = ("failed" if "failure" in kinds else "error" if "error" in kinds
-                       else "skipped" if "skipped" in kinds else "passed")
+        kinds = {child.tag: child for child in case}
+        kind = next((k for k in ("failure", "error", "skipped") if k in kinds), None)
+        outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(kind, "passed")
+        message = kinds[kind].get("message", "") if kind in ("failure", "error") else ""
+        found[name] = (outcome, message.strip().splitlines()[0][:140] if message.strip() else "")
     return found
 
 
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         [i, i + 1] for i in range(quiet, args.rounds, 2)]
     bad: Counter = Counter()
     seen: Counter = Counter()
+    why: dict[str, str] = {}  # test -> the first failure's message
     with tempfile.TemporaryDirectory() as tmp:
         for batch in batches:
             batch = [i for i in batch if i < args.rounds]
@@ -61,9 +65,11 @@ def main(argv: list[str] | None = None) -> int:
             for i, proc in procs:
                 proc.wait()
                 outcomes = _outcomes(Path(tmp, f"r{i}.xml"))
-                seen.update(outcomes)
-                failed = [t for t, o in outcomes.items() if o in ("failed", "error")]
+                seen.update(outcomes.keys())
+                failed = [t for t, (o, _) in outcomes.items() if o in ("failed", "error")]
                 bad.update(failed)
+                for t in failed:
+                    why.setdefault(t, f"round {i + 1}: {outcomes[t][1]}")
                 print(f"round {i + 1}{' (under load)' if len(batch) > 1 else ''}: "
                       f"{len(outcomes) - len(failed)} ok, {len(failed)} failed, "
                       f"{time.monotonic() - started:.0f} s", flush=True)
@@ -73,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{'failures':>8}  test")
     for test, count in bad.most_common():
-        print(f"{count:>5}/{seen[test]:<2}  {test}")
+        print(f"{count:>5}/{seen[test]:<2}  {test}\n          {why[test]}")
     return 1
 
 

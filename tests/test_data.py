@@ -269,7 +269,8 @@ seed = 1
 LAYOUTS = {
     "dp2": ("[plugins.fsdp2]", 1),
     "cp2": ("[plugins.cp]\nsize = 2\n[plugins.fsdp2]", 2),
-    "pp2": ("[plugins.pp]\nsize = 2\nmicrobatch_size = 1", 4),
+    # the schedule's microbatches are the accumulation: [train] micro_batch_size is pp's own size
+    "pp2": ("[plugins.pp]\nsize = 2\nmicrobatch_size = 1", 1),
     "tp2": ("[plugins.tp]\nsize = 2\nloss_parallel = true\n[plugins.fsdp2]", 2),
 }
 
