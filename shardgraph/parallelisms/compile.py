@@ -125,14 +125,11 @@ def _settle_inputs(module, args, kwargs):
     behind it fails (``'Tensor' object has no attribute '_local_tensor'``). Waiting here is
     what the block's first op would do anyway; the copy is the one activation entering it.
     """
+    import torch
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.utils._pytree import tree_map_only
 
-    return tree_map_only(AsyncCollectiveTensor, torch_clone, (args, kwargs))
-
-
-def torch_clone(tensor):
-    return tensor.clone()
+    return tree_map_only(AsyncCollectiveTensor, torch.Tensor.clone, (args, kwargs))
 
 
 def _cost(options: CompileOptions, layout) -> Cost:
