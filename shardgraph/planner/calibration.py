@@ -124,6 +124,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
         plugins["cp"] = {"size": cp, "attention": src.get("cp_attention", "ring")}
     if r["ac"] in ("full", "selective"):
         plugins["activation_checkpointing"] = {"mode": r["ac"]}
+    if "lora_rank" in r:  # only low-rank adapters on every linear train (the plan's adapter_rank)
+        plugins["lora"] = {"rank": r["lora_rank"], "match_all_linear": True}
     layout = MeshLayout(world_size=r["world"], gpus_per_node=8, pp=pp, dp_shard=dp, cp=cp,
                         tp=tp)
     view = view_of(layout, declared(_registry(), plugins, layout)[0])
