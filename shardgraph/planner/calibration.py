@@ -88,7 +88,8 @@ def _shape(m: dict[str, Any]) -> ModelShape:
                           tied=True, attention_bias=True, mlp_bias=True, gated=False)
     return ModelShape(architecture="LlamaForCausalLM", vocab=m["vocab"], hidden=h,
                       layers=m["layers"], heads=heads, kv_heads=m["kv_heads"],
-                      head_dim=h // heads, intermediate=m["intermediate"])
+                      head_dim=h // heads, intermediate=m["intermediate"],
+                      param_bytes=m.get("param_bytes", 4))  # 2: weights kept in bf16
 
 
 def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
