@@ -98,8 +98,9 @@ class Cost:
     ``memory_bytes``: memory the step adds on every rank.
     ``loss_chunk_tokens``: the loss holds the logits of at most this many tokens at once, and
     the model's output is the LM head's input (0: the logits of a whole micro-batch).
-    ``adapter_rank``: only low-rank adapters of this rank train (LoRA): gradients and optimizer
-    state exist for them alone (0: every parameter trains).
+    ``adapter_rank``: only low-rank adapters of this rank train (LoRA): gradients, their
+    reductions and optimizer state exist for them alone, and the frozen linears' backward runs
+    no weight-gradient matmul (0: every parameter trains).
     """
 
     states: str | None = attrs.field(

@@ -6,7 +6,9 @@ the pipeline bubble.
   2 x seq x (heads x head_dim) per layer (QK^T and AV, half of the square). Backward is twice
   forward; full activation checkpointing runs forward once more.
 - Compute time: those FLOPs over the GPU's peak times an achieved efficiency that grows with
-  the per-GPU matmul width (hidden / tp): ``eff = e_max * x / (x + x0)``, fitted.
+  each linear's arithmetic intensity on one rank, ``x = 1 / (1/m + 1/k + 1/n)`` for its
+  (tokens, input, output) after tp and cp split them: ``eff = e_max * x / (x + x0)``, fitted.
+  Frozen weights (LoRA) skip their weight-gradient matmuls.
 - Collectives, alpha-beta: ``latency * steps + traffic / (link bandwidth * comm_eff)``
   (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block;
   the rest ``log2(n)``),
@@ -58,6 +60,8 @@ class Efficiency:
     #: what a second of communication hidden behind compute still costs: the collectives'
     #: kernels take SMs and memory bandwidth from the matmuls they overlap
     overlap: float = 0.0
+    #: flash attention's share of peak over the linears' (its FLOPs at ``e * attention``)
+    attention: float = 1.0
 
     def ceiling(self, gpu: str) -> float:
         table = dict(self.e_max)
@@ -118,9 +122,42 @@ def elementwise_bytes(shape: ModelShape, v: PlanView, seq: int, kind: str,
     return n * cb
 
 
-def efficiency(shape: ModelShape, v: PlanView, eff: Efficiency, gpu: str) -> float:
-    x = shape.hidden / v.tp
-    return eff.ceiling(gpu) * x / (x + eff.x0)
+def linear_shapes(shape: ModelShape, tp: int, cp: int, ep: int, tokens: float,
+                  kind: str) -> list[tuple[float, float, float]]:
+    """(m, k, n) of each matmul of a block's linears on one rank for a micro-batch of
+    ``tokens`` tokens: tp splits the output of q, k, v and gate/up and the input of o and down,
+    cp the tokens; a routed expert sees the tokens routed to it from the ep group."""
+    h = shape.hidden
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    m = tokens / cp
+    mats = [(m, h, q / tp), (m, h, 2 * kv / tp), (m, q / tp, h)]
+    if kind == "moe":
+        f, m = shape.moe_intermediate, m * shape.top_k * ep / max(shape.experts, 1)
+    else:
+        f = shape.intermediate
+    up = 2 if kind == "moe" or shape.gated else 1
+    return mats + [(m, h, up * f / tp), (m, f / tp, h)]
+
+
+@functools.cache
+def _intensity_share(shape: ModelShape, tp: int, cp: int, ep: int, tokens: float, kind: str,
+                     x0: float) -> float:
+    flops = time = 0.0
+    for m, k, n in linear_shapes(shape, tp, cp, ep, tokens, kind):
+        x = 1.0 / (1.0 / m + 1.0 / k + 1.0 / n)
+        flops += k * n
+        time += k * n * (x + x0) / x
+    return flops / time
+
+
+def efficiency(shape: ModelShape, v: PlanView, eff: Efficiency, gpu: str, tokens: float,
+               kind: str = "dense") -> float:
+    """The share of peak a block's matmuls reach: each at ``e_max x / (x + x0)`` of its
+    arithmetic intensity ``x = 1 / (1/m + 1/k + 1/n)`` (FLOPs per element moved, halved),
+    together as their FLOPs weigh (a time-weighted, harmonic mean). Narrow tp shards of a wide
+    model keep the other two dimensions large: its vanilla-tp runs are not the narrow
+    matmuls the per-GPU width ``hidden / tp`` alone would price."""
+    return eff.ceiling(gpu) * _intensity_share(shape, v.tp, v.cp, v.ep, tokens, kind, eff.x0)
 
 
 def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
@@ -209,7 +246,6 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     # forward + backward (2x) + the recomputed share of forward (twice under a split backward)
     passes = sum(pass_times(v))
     recomputes = passes - 3
-    e = efficiency(shape, v, eff, gpu.name)
     ranks = stage_layers(shape, v)
 
     def stage_flops(held) -> float:
@@ -226,19 +262,36 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     flops = [per_held[held] for held, _ in ranks]
     worst = max(range(len(ranks)), key=lambda i: flops[i])
     held, n_chunks = ranks[worst]
+    blocks = [(k, n) for k, n in held.kinds if k not in EXTRAS]
+    # the rank's matmuls at their kind's efficiency (the head's as the blocks')
+    e = (sum(n * _kind_flops(shape, seq, k) for k, n in blocks) / sum(
+        n * _kind_flops(shape, seq, k) / efficiency(shape, v, eff, gpu.name, tokens, k)
+        for k, n in blocks)) if blocks else eff.ceiling(gpu.name)
+    # causal attention's share, on the rank with the most of it (cp without load balancing)
+    attn_flops = 2 * seq * shape.heads * shape.head_dim * tokens / (v.tp * v.cp)
     rank_flops = flops[worst] * tokens * n_micro * passes / (v.tp * v.cp)
+    if v.adapter_rank:
+        # frozen weights (LoRA): their linears' weight-gradient matmuls (one forward's worth
+        # of the linears) are never run; the adapters' own matmuls (r / hidden of the
+        # weights they adapt) are not counted
+        linear = flops[worst] * tokens / (v.tp * v.cp) - attn_flops * held.layers
+        rank_flops -= linear * n_micro
     memory_bound = eff.elementwise * tokens / v.cp * n_micro * passes * sum(
         n * elementwise_bytes(shape, v, seq, k, eff.eager) for k, n in held.kinds
         if k not in ("first", "last")) / gpu.hbm_bw
-    # causal attention's share, on the rank with the most of it (cp without load balancing)
-    attn_flops = 2 * seq * shape.heads * shape.head_dim * tokens / (v.tp * v.cp)
-    extra = attn_flops * held.layers * n_micro * passes * (v.attention_imbalance - 1)
-    compute = ((rank_flops + extra) / (gpu.peak_flops * e) + memory_bound) / v.compute_speedup
-    attention_s = attn_flops / (gpu.peak_flops * e)  # one block's forward, one micro-batch
+    # attention's own kernel (flash attention) reaches ``Efficiency.attention`` of the
+    # linears' efficiency; materialised scores are batched matmuls priced as the linears
+    e_attn = e * (eff.attention if v.fused_attention else 1.0)
+    attention = attn_flops * held.layers * n_micro * passes * v.attention_imbalance
+    linears = rank_flops - attn_flops * held.layers * n_micro * passes
+    compute = ((linears / e + attention / e_attn) / gpu.peak_flops + memory_bound) \
+        / v.compute_speedup
+    attention_s = attn_flops / (gpu.peak_flops * e_attn)  # one block's forward, one micro-batch
     per_micro = compute / n_micro
     layers = held.layers
     bwd_last = per_micro * (passes - 1) / passes  # the last micro-batch's backward
     exposed: dict[str, float] = {}
+    overlap = eff.overlap
 
     def add(axis: str, t: float) -> None:
         if t > 0:
@@ -264,7 +317,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         if c.kind == "ring":
             # the exchanges hide behind attention on the chunks already received
             behind = attention_s * (n - 1) / n
-            one = max(0.0, one - behind) + eff.overlap * min(one, behind)
+            one = max(0.0, one - behind) + overlap * min(one, behind)
         add(c.axis, one * count)
     # data parallelism
     whole = attrs.evolve(v, strategy=None)
@@ -287,7 +340,9 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         # gradients reduced once per step (deferred; always under torch's pipeline stages), or
         # after every micro-batch's backward
         reductions = 1 if v.defer_grad_sync or v.pp > 1 else n_micro
-        rs = reductions * units * _collective("reduce_scatter", n, unsharded * rb / units,
+        # only trainable parameters' gradients are reduced (LoRA: the adapters')
+        grads = unsharded * rb * trainable_share(shape, v)
+        rs = reductions * units * _collective("reduce_scatter", n, grads / units,
                                               crosses, gpu, eff, k)
         ep_shard = v.dp * v.cp // v.ep
         ex = held_numel(shape, held, whole, True) if v.ep > 1 else 0
@@ -297,23 +352,23 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             rs += reductions * _collective("reduce_scatter", ep_shard, ex * rb, cross, gpu, eff)
         first = ag / (gathers * units) if gathers else 0.0
         # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
-        # backward they follow (on its own stream); what hides still costs ``eff.overlap`` of
+        # backward they follow (on its own stream); what hides still costs ``overlap`` of
         # its time
         window = bwd_last * reductions if v.overlap_grad_reduce else 0.0
         hidden = min(ag, compute) + min(rs, window)
         add("dp_shard", max(0.0, ag - compute) + first + max(0.0, rs - window)
-            + eff.overlap * hidden)
+            + overlap * hidden)
         if v.dp_replicate > 1 and v.strategy == "fully_shard":
             shard = unsharded * rb / n
             add("dp_replicate", _collective("all_reduce", v.dp_replicate, shard,
                                             v.group_crosses_nodes("dp_replicate"), gpu, eff,
                                             v.members_per_node("dp_replicate")))
     elif v.strategy == "replicate" and v.dp > 1:
-        grads = held_numel(shape, held, whole) * shape.param_bytes
+        grads = held_numel(shape, held, whole) * shape.param_bytes * trainable_share(shape, v)
         ar = _collective("all_reduce", v.dp, grads, v.group_crosses_nodes("dp"), gpu, eff,
                          v.members_per_node("dp"))
         # buckets reduced as backward fills them, the last one after it; or all after it
-        add("dp", max(0.0, ar - bwd_last) + eff.overlap * min(ar, bwd_last)
+        add("dp", max(0.0, ar - bwd_last) + overlap * min(ar, bwd_last)
             + ar * 25 * 2**20 / max(grads, 1) if v.overlap_grad_reduce else ar)
     # pipeline: the bubble and the sends on the critical path
     bubble = 0.0

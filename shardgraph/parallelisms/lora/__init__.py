@@ -190,8 +190,8 @@ def _apply(model: nn.Module, options: LoRAOptions, ctx: MeshContext, inputs: dic
 
 
 def _cost(options: LoRAOptions, layout) -> Cost:
-    # the planner bounds the adapters' share from the rank (core.costs.Cost.adapter_rank); the
-    # weight-gradient matmuls the frozen base skips in backward are not priced
+    # the planner bounds the adapters' share from the rank and skips the frozen base's
+    # weight-gradient matmuls and gradient reductions (core.costs.Cost.adapter_rank)
     return Cost(adapter_rank=options.rank)
 
 
