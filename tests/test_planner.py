@@ -344,3 +344,39 @@ def test_ties_go_to_less_memory_and_are_said():
         assert before <= after
         assert f"ties with #{i}" in why[i], why[i]
     assert all("ties" not in why[i] for i in range(1, len(rows)) if i not in ties)
+
+
+EIGHT_B = LLAMA_70B.replace("8192\nintermediate_size = 28672\nnum_hidden_layers = 80\n"
+                            "num_attention_heads = 64", "4096\nintermediate_size = 14336\n"
+                            "num_hidden_layers = 32\nnum_attention_heads = 32").replace(
+    "global_batch_size = 1024", "global_batch_size = 16")
+
+
+def test_the_search_keeps_the_users_plugins_that_are_not_the_layout():
+    """``plan --auto`` of a LoRA fine-tune with compile and a chunked loss prices and emits
+    every candidate with them: LoRA's frozen base holds no gradients or optimizer state and
+    runs no weight-gradient matmuls (the plans differ from full training's), compile and the
+    chunked loss are kept in each candidate's pipeline. They were dropped: the candidates
+    were full-training plans."""
+    assert "4096" in EIGHT_B and "global_batch_size = 16" in EIGHT_B
+    full = autoplan(EIGHT_B, 8, top=3)["candidates"]
+    extra = ("[plugins.lora]\nrank = 16\nmatch_all_linear = true\n[plugins.compile]\n"
+             "[plugins.chunked_loss]\n")
+    tuned = autoplan(EIGHT_B + extra, 8, top=3)["candidates"]
+    for c in tuned:
+        assert {"lora", "compile", "chunked_loss"} <= set(c["pipeline"]["plugins"]), c
+        assert c["pipeline"]["plugins"]["lora"]["rank"] == 16
+        assert c["assumptions"]["not_priced"] == []
+    best_full, best_tuned = full[0], tuned[0]
+    assert best_tuned["step_time_s"] < 0.8 * best_full["step_time_s"]
+    assert best_tuned["memory_bytes_per_rank"]["optimizer"] < \
+        0.05 * best_full["memory_bytes_per_rank"]["optimizer"]
+
+
+def test_a_plan_every_candidate_of_which_is_refused_says_why():
+    """A user's plugin whose options the compiler refuses: the search raises that refusal
+    (naming the key), not "no plan fits"."""
+    with pytest.raises(PlanError) as err:
+        autoplan(EIGHT_B + "[plugins.lora]\nrank = 16\n", 8)
+    assert "plugins.lora.target_modules" in str(err.value)
+    assert err.value.rule != "no-plan"

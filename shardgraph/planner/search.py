@@ -7,7 +7,9 @@ without model parallelism), hsdp's replicate degree, tp (divisors of a node that
 heads, kv heads, vocabulary and MLP width; the loss on vocabulary shards unless the user chose
 otherwise), sp, pp (stages within the layers) with every schedule and pipeline micro-batch size
 the pipeline plugin's ``check`` accepts, cp (2 cp dividing the sequence), ep (divisors of the
-experts), activation checkpointing on or off, and the micro-batch size. It is walked with
+experts), activation checkpointing on or off, and the micro-batch size; the user's plugins
+that provide no part of the layout (LoRA, compile, float8, a chunked loss) are kept in every
+candidate, and priced with it. It is walked with
 arithmetic first: a candidate's PlanView is folded from the cost records its plugins declare on
 its layout (cached) and estimated (a fraction of a millisecond), those that do not fit are dropped, and only the best are
 compiled through the real compiler (``Graph.compile``, with the local batch so the pipeline
@@ -77,15 +79,15 @@ class Candidate:
     ac: str = ""
     micro_batch: int = 1  # pp's microbatch_size under pp, else train.micro_batch_size
 
-    def plugins(self, base: dict[str, dict[str, Any]],
-                names: dict[str, str]) -> dict[str, dict[str, Any]]:
+    def plugins(self, base: Base, names: dict[str, str]) -> dict[str, dict[str, Any]]:
         """The graph-form ``[plugins]`` table (``names``: role -> plugin, see ``roles``);
-        options the user gave to plugins kept."""
-        out: dict[str, dict[str, Any]] = {}
+        options the user gave to plugins kept, and the user's plugins that play no part of the
+        layout (compile, LoRA, float8, a chunked loss, ...) kept as they are."""
+        out: dict[str, dict[str, Any]] = {n: dict(base.options[n]) for n in base.kept}
 
         def put(role: str, **options: Any) -> None:
             name = names[role]
-            out[name] = {**base.get(name, {}), **options}
+            out[name] = {**base.options.get(name, {}), **options}
 
         if self.strategy:
             put(self.strategy)
@@ -109,7 +111,7 @@ class Candidate:
             put("ac")
             if self.ac == "selective" or "mode" in out[names["ac"]]:
                 out[names["ac"]]["mode"] = self.ac
-        if names.get("mp") in base:
+        if names.get("mp") in base.options:
             put("mp")
         return out
 
@@ -131,11 +133,27 @@ def roles(registry) -> dict[str, str]:
     return out
 
 
-def _base(pipeline) -> dict[str, dict[str, Any]]:
-    """Options of the user's plan that the search keeps: precision, the strategy's options, ..."""
+@attrs.frozen
+class Base:
+    """The user's plan as the search keeps it: every plugin's options (sizes aside), and the
+    plugins kept whatever the layout: those providing no capability the search decides."""
+
+    options: dict[str, dict[str, Any]]
+    kept: tuple[str, ...]
+
+
+#: what the search decides: a plugin providing one of these is the search's to place or drop
+DECIDED = frozenset(ROLES.values()) - {"precision_policy"} | {"data_parallel",
+                                                              "model_parallel"}
+
+
+def _base(pipeline, registry) -> Base:
     # the graph's entries: the same for the [plugins] and the [distributed] form
-    return {e.name: {o: v for o, v in e.options.items() if o != "size"}
-            for e in pipeline.graph.entries}
+    options = {e.name: {o: v for o, v in e.options.items() if o != "size"}
+               for e in pipeline.graph.entries}
+    kept = tuple(n for n in options if n in registry
+                 and not registry.get(n).provides & DECIDED)
+    return Base(options, kept)
 
 
 def _graph(registry, names, cand: Candidate, base, world: int, gpn: int,
@@ -293,7 +311,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     gpn, chip = context(pipeline, world_size, gpus_per_node, gpu)
     shape = model_shape(pipeline.model)
     setup = setup_of(pipeline)
-    base = _base(pipeline)
+    base = _base(pipeline, registry)
     view = _Views(registry, names, base, world_size, gpn)
     limit = USABLE_HBM * chip.hbm_bytes
     counts = {"layouts": 0, "estimated": 0, "fit": 0, "compiled": 0, "refused": 0}
@@ -345,7 +363,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             if 1 < r < dp and (dp // r * c.cp) % c.ep == 0 and (dp * c.cp) % c.ep == 0:
                 score(attrs.evolve(c, dp_replicate=r))
     scored.sort(key=_rank)
-    results = []
+    results, refused = [], None
     for *_, cand, est in scored:
         if len(results) >= top and not compile_all:
             break
@@ -353,8 +371,9 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
         graph = _graph(registry, names, cand, base, world_size, gpn, local)
         try:
             plan = graph.compile(world_size=world_size, gpus_per_node=gpn, registry=registry)
-        except PlanError:
+        except PlanError as e:
             counts["refused"] += 1
+            refused = refused or e
             continue
         counts["compiled"] += 1
         v = plan_view(plan)
@@ -363,6 +382,8 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             counts["refused"] += 1
             continue
         results.append(_row(cand, est, base, names, world_size, gpn))
+    if not results and refused is not None:
+        raise refused  # every plan that fits was refused: the first says why (the user's plan)
     if not results:
         raise PlanError([Violation(
             "no-plan", ("--world-size", "train.global_batch_size"),

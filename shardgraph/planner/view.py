@@ -197,11 +197,17 @@ def declared(registry, plugins: dict[str, dict[str, Any]], layout,
                 built, bad = structure_options(plugin.options, options, str, name)
                 value = None if bad else plugin.cost(built, layout)
             cache[key] = value
-        if cache[key] is None:
-            unpriced.append(name)
-        else:
+        if cache[key] is not None:
             costs.append(cache[key])
+        elif not _layout_only(registry.get(name)):
+            unpriced.append(name)
     return fold(costs), tuple(unpriced)
+
+
+def _layout_only(plugin) -> bool:
+    """A plugin that owns a mesh axis and runs no step (hsdp): the layout is its whole cost,
+    as ``step_costs`` finds of a compiled plan, where it has no step to price."""
+    return plugin.cost is None and plugin.apply is None and plugin.axis is not None
 
 
 def _frozen(options: dict[str, Any]) -> tuple:
