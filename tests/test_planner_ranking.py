@@ -48,7 +48,7 @@ def _rank(result, *parts: str) -> int | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #299: with 96 GB and the loss on vocabulary "
+@pytest.mark.xfail(strict=True, reason="ranked #255: with 96 GB and the loss on vocabulary "
                    "shards, layouts without activation checkpointing fit (pp 4, tp 4, cp 4) and "
                    "are predicted ~24% faster than the measured FSDP 32 x TP 8 with full "
                    "checkpointing; nobody measured them")
@@ -69,7 +69,7 @@ def test_torchtitan_405b_interleaving_beats_1f1b_in_the_search():
     assert inter is not None and (one is None or inter < one)
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #7 (tp 8, pp 8 interleaved with cp 8): the "
+@pytest.mark.xfail(strict=True, reason="ranked #6 (tp 8, pp 8 interleaved with cp 8): the "
                    "search prefers tp 8 x pp 16 x cp 4 without checkpointing under zero bubble "
                    "or ZB-V (its bubble ~1% of a step, nobody measured it); the measured layout "
                    "without cp needs full AC")
@@ -79,12 +79,12 @@ def test_torchtitan_405b_interleaved_is_in_the_top_3():
     assert place is not None and place <= 3
 
 
-@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks #106: "
+@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks #101: "
                    "without activation checkpointing it does not fit as torch runs it (307 GiB "
                    "predicted: sp keeps the gathered inputs of the linears, the last stage keeps "
                    "every micro-batch's logits), and with it the search prefers tp 8 x pp 32 x "
                    "cp 4 under ZB-V: tp 8's exposed collectives are priced at ~10% of a step, "
-                   "and the model over-predicts the measured tp 8 rows by up to 19%")
+                   "and the model over-predicts the measured tp 8 rows by up to 16%")
 def test_llama3_405b_tp8_pp16_on_8192_gpus():
     """Llama 3 paper Table 4: 405B on 8,192 H100, 16M tokens per batch: TP 8, PP 16, DP 64."""
     result = autoplan(_pipeline("405B", 2048, 8192), 8192, top=400)
@@ -92,7 +92,7 @@ def test_llama3_405b_tp8_pp16_on_8192_gpus():
     assert place is not None and place <= 3
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #22: torchtitan's fastest plain-FSDP run used "
+@pytest.mark.xfail(strict=True, reason="ranked #19: torchtitan's fastest plain-FSDP run used "
                    "selective activation checkpointing, which the search now offers (and ranks "
                    "first among that sweep's plugins, see below); but fsdp2 x tp 2 + sp "
                    "without checkpointing (nobody measured it) is predicted faster: tp 2's "

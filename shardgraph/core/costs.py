@@ -92,8 +92,9 @@ class Cost:
     attention and of the collectives; the rest is recomputed).
     ``attention_imbalance``: the slowest rank's attention work over the mean (cp without load
     balancing: causal attention gives the last chunk the most work).
-    ``compute_speedup``: the step's gain on compute time (a compiler, lower-precision matmuls),
-    as a published ratio; ``fused_elementwise``: it fuses the norms, activations and residual
+    ``compute_speedup``: the step's gain on compute time, as a published ratio;
+    ``float8_linears``: the blocks' linears run their matmuls in float8 (inputs and weights cast
+    and scaled each pass; the planner prices the gain where the GPU has float8 tensor cores); ``fused_elementwise``: it fuses the norms, activations and residual
     adds into few kernels (a compiler); ``activation_scale``: its effect on activation memory.
     ``memory_bytes``: memory the step adds on every rank.
     ``loss_chunk_tokens``: the loss holds the logits of at most this many tokens at once, and
@@ -120,6 +121,7 @@ class Cost:
         ("input", "alternate_matmuls")))
     attention_imbalance: float = 1.0
     compute_speedup: float = 1.0
+    float8_linears: bool = False
     fused_elementwise: bool = False
     activation_scale: float = 1.0
     memory_bytes: float = 0.0

@@ -153,9 +153,9 @@ def _apply(model: nn.Module, options: Float8Options, ctx: MeshContext, inputs: d
 
 
 def _cost(options: Float8Options, layout) -> Cost:
-    # Its speed-up is not priced: no float8 step has been measured with this plugin yet (the
-    # published ratios are torchtitan's, on its own kernels' versions).
-    return Cost()
+    # the blocks' linears in float8 (emulation runs them in high precision); the planner prices
+    # the gain from torchtitan's published runs (planner/published.toml)
+    return Cost(float8_linears=not options.emulate)
 
 
 PLUGIN = Plugin(

@@ -60,6 +60,9 @@ class Efficiency:
     #: what a second of communication hidden behind compute still costs: the collectives'
     #: kernels take SMs and memory bandwidth from the matmuls they overlap
     overlap: float = 0.0
+    #: the blocks' linears' speed-up in float8 on a GPU with float8 tensor cores (torchao's
+    #: casts and scales included)
+    float8: float = 1.0
     #: flash attention's share of peak over the linears' (its FLOPs at ``e * attention``)
     attention: float = 1.0
 
@@ -282,10 +285,18 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     # attention's own kernel (flash attention) reaches ``Efficiency.attention`` of the
     # linears' efficiency; materialised scores are batched matmuls priced as the linears
     e_attn = e * (eff.attention if v.fused_attention else 1.0)
-    attention = attn_flops * held.layers * n_micro * passes * v.attention_imbalance
+    # flash attention's backward recomputes the scores: 2.5 forwards' FLOPs, not 2
+    attention = attn_flops * held.layers * n_micro * (passes + 0.5 * bool(v.fused_attention)) \
+        * v.attention_imbalance
     linears = rank_flops - attn_flops * held.layers * n_micro * passes
-    compute = ((linears / e + attention / e_attn) / gpu.peak_flops + memory_bound) \
-        / v.compute_speedup
+    head = 0.0
+    if v.float8_linears and gpu.fp8:
+        # the blocks' linears in float8; the LM head stays in high precision
+        if "last" in held:
+            head = head_flops_per_token(shape) * tokens * n_micro * passes / (v.tp * v.cp)
+        linears = (linears - head) / eff.float8
+    compute = ((linears + head) / e + attention / e_attn) / gpu.peak_flops + memory_bound
+    compute /= v.compute_speedup
     attention_s = attn_flops / (gpu.peak_flops * e_attn)  # one block's forward, one micro-batch
     per_micro = compute / n_micro
     layers = held.layers

@@ -6,6 +6,6 @@ from __future__ import annotations
 
 from .cost import Efficiency
 
-FITTED = Efficiency(e_max=(("A100-80GB", 0.81), ("H100-SXM", 0.67), ("H100-SXM-500W", 0.49)),
-                    x0=400.0, comm_eff=1.0, elementwise=0.5, eager=4.0, overlap=0.5,
-                    attention=0.8)
+FITTED = Efficiency(e_max=(("A100-80GB", 0.81), ("H100-SXM", 0.66), ("H100-SXM-500W", 0.52)),
+                    x0=400.0, comm_eff=1.0, elementwise=0.5, eager=6.0,
+                    overlap=0.5, attention=1.0, float8=1.7)

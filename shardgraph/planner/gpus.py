@@ -39,6 +39,8 @@ class GPU:
     inter_latency: float = 15e-6
     #: what the datasheet figures come from
     source: str = ""
+    #: float8 tensor cores (Hopper, Blackwell, CDNA 3)
+    fp8: bool = True
 
 
 # Datasheet figures. A100: NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOPS BF16, 2,039 GB/s,
@@ -50,7 +52,7 @@ class GPU:
 # MI300X datasheet (1,307.4 TFLOPS BF16 dense, 192 GB HBM3 at 5.3 TB/s, 896 GB/s aggregate
 # Infinity Fabric both directions) with one 400 Gb/s NIC per GPU.
 PRESETS: dict[str, GPU] = {g.name: g for g in (
-    GPU("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9,
+    GPU("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, fp8=False,
         source="NVIDIA A100 datasheet; DGX A100 (8x 200 Gb/s HDR)"),
     GPU("H100-SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9,
         source="NVIDIA H100 datasheet (SXM5); DGX H100 (8x 400 Gb/s NDR)"),

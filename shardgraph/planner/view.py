@@ -56,6 +56,7 @@ class PlanView:
     ac_saves: str = "input"
     attention_imbalance: float = 1.0
     compute_speedup: float = 1.0
+    float8_linears: bool = False
     activation_scale: float = 1.0
     memory_bytes: float = 0.0
     #: the loss computes the logits of at most this many tokens at once (0: a micro-batch's)
@@ -165,6 +166,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         unknown=unknown, pipeline=pipe, comms=cost.comms, recompute=cost.recompute,
         ac_saves=cost.saves,
         attention_imbalance=cost.attention_imbalance, compute_speedup=cost.compute_speedup,
+        float8_linears=cost.float8_linears,
         activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
         loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,
         overlap_grad_reduce=cost.overlap_grad_reduce is not False,
