@@ -39,11 +39,11 @@ GRID = {
     "elementwise": [0.0, 0.5, 1.0, 1.5, 2.0],
     "eager": [1.0, 2.0, 4.0, 6.0, 8.0, 10.0],
     "overlap": [round(0.1 * i, 1) for i in range(11)],
-    "attention": [round(0.1 * i, 1) for i in range(3, 11)],
+    "attention": [round(0.1 * i, 1) for i in range(1, 11)],
     "float8": [round(1.0 + 0.1 * i, 1) for i in range(11)],
 }
 #: the fields ``fit`` searches besides each GPU's e_max
-FIELDS = ("x0", "comm_eff", "elementwise", "eager", "overlap", "attention", "float8")
+FIELDS = ("x0", "comm_eff", "elementwise", "eager", "overlap", "float8")
 
 
 @attrs.frozen
@@ -58,8 +58,6 @@ class Row:
     metric: str | None
     value: float | None
     memory_gib: float | None
-    #: why the row's step time is a known miss (kept out of the step-time error, reported)
-    known_miss: str = ""
 
     def published_step_s(self) -> float | None:
         """The published figure as the time of one optimizer step."""
@@ -146,10 +144,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     setup = Setup(seq_len=r["seq_len"], global_batch=r["global_batch"],
                   micro_batch=r.get("micro_batch"), optimizer_states=2)
     memory = r.get("memory_gib")
-    if r.get("known_miss") and r["split"] != "test":
-        raise ValueError(f"{r['name']}: a known miss is a test row, never fitted")
     return Row(r["name"], r["source"], r["split"], _shape(r["model"]), view, setup, gpu,
-               r.get("metric"), r.get("value"), memory, r.get("known_miss", ""))
+               r.get("metric"), r.get("value"), memory)
 
 
 @functools.cache
@@ -178,9 +174,7 @@ def errors(eff: Efficiency, split: str | None = None) -> list[dict[str, Any]]:
         out.append({
             "name": row.name, "source": row.source, "split": row.split,
             "step_s": p["step_s"], "published_step_s": pub,
-            "time_error": None if pub is None or row.known_miss else (p["step_s"] - pub) / pub,
-            "known_miss": None if pub is None or not row.known_miss else
-            (p["step_s"] - pub) / pub,
+            "time_error": None if pub is None else (p["step_s"] - pub) / pub,
             "memory_gib": p["memory_gib"], "published_memory_gib": row.memory_gib,
             "memory_error": None if row.memory_gib is None else
             (p["memory_gib"] - row.memory_gib) / row.memory_gib,
@@ -202,17 +196,21 @@ def _loss(eff: Efficiency, fit_rows: list[Row]) -> float:
     return total / len(fit_rows)
 
 
-def _best_ceiling(g: str, mine: list[Row], fields: dict[str, float]) -> tuple[float, float]:
-    """The grid's best e_max for one GPU's rows: every other point, then its neighbours (the
-    loss is unimodal in e_max)."""
+def _best_ceiling(g: str, mine: list[Row], fields: dict[str, float]) -> tuple[float, float,
+                                                                               float]:
+    """The grid's best (loss, e_max, attention) for one GPU's rows: for each attention share,
+    every other e_max, then its neighbours (the loss is unimodal in e_max)."""
     grid = GRID["e_max"]
+    best = None
+    for a in GRID["attention"]:
+        def loss(i: int) -> tuple[float, float, float]:
+            return (_loss(Efficiency(((g, grid[i]),), attention=((g, a),), **fields), mine),
+                    grid[i], a)
 
-    def loss(i: int) -> tuple[float, float]:
-        e = grid[i]
-        return _loss(Efficiency(((g, e),), **fields), mine), e
-
-    lo, i = min((loss(i)[0], i) for i in range(0, len(grid), 2))
-    return min(loss(j) for j in (i - 1, i, i + 1) if 0 <= j < len(grid))
+        lo, i = min((loss(i)[0], i) for i in range(0, len(grid), 2))
+        found = min(loss(j) for j in (i - 1, i, i + 1) if 0 <= j < len(grid))
+        best = found if best is None or found < best else best
+    return best
 
 
 #: the allocator reserves ``fit_reserve`` tries
@@ -239,14 +237,16 @@ def _memory_error(row: Row, reserve: float) -> float:
 
 
 def _efficiency(point: dict[str, float], fit_rows: list[Row]) -> tuple[float, Efficiency]:
-    """The fit rows' loss at ``point`` with each GPU's best e_max on its own rows."""
-    table, loss = [], 0.0
+    """The fit rows' loss at ``point`` with each GPU's best e_max and attention share on its
+    own rows."""
+    table, attention, loss = [], [], 0.0
     for g in sorted({r.gpu.name for r in fit_rows}):
         mine = [r for r in fit_rows if r.gpu.name == g]
-        lo, e = _best_ceiling(g, mine, point)
+        lo, e, a = _best_ceiling(g, mine, point)
         table.append((g, e))
+        attention.append((g, a))
         loss += lo * len(mine)
-    return loss, Efficiency(tuple(table), **point)
+    return loss, Efficiency(tuple(table), attention=tuple(attention), **point)
 
 
 def fit() -> Efficiency:
@@ -274,8 +274,6 @@ def report(eff: Efficiency = FITTED) -> str:
     found = errors(eff)
     for r in found:
         t = "" if r["time_error"] is None else f"{r['time_error']:+.1%}"
-        if r["known_miss"] is not None:  # a known miss: reported, not counted
-            t = f"({r['known_miss']:+.0%})"
         pub = "" if r["published_step_s"] is None else f"{r['published_step_s']:.2f}"
         m = "" if r["memory_error"] is None else f"{r['memory_error']:+.1%}"
         pm = "" if r["published_memory_gib"] is None else f"{r['published_memory_gib']:.1f}"
@@ -287,10 +285,6 @@ def report(eff: Efficiency = FITTED) -> str:
                      f"{sum(r['time_error'] is not None for r in part)} rows; memory MAPE "
                      f"{mape(part, 'memory_error'):.1%} over "
                      f"{sum(r['memory_error'] is not None for r in part)} rows")
-    missed = [r for r in found if r["known_miss"] is not None]
-    if missed:
-        lines.append(f"known misses, not counted: {len(missed)} rows, "
-                     + ", ".join(f"{r['known_miss']:+.0%}" for r in missed))
     return "\n".join(lines)
 
 

@@ -63,13 +63,18 @@ class Efficiency:
     #: the blocks' linears' speed-up in float8 on a GPU with float8 tensor cores (torchao's
     #: casts and scales included)
     float8: float = 1.0
-    #: flash attention's share of peak over the linears' (its FLOPs at ``e * attention``)
-    attention: float = 1.0
+    #: (GPU preset, flash attention's efficiency over the linears'): its FLOPs at
+    #: ``e * attention`` (a GPU without measurements: ``fallback``'s)
+    attention: tuple[tuple[str, float], ...] = ()
 
     def ceiling(self, gpu: str) -> float:
         table = dict(self.e_max)
         # H200 is H100's compute die with more and faster HBM
         return table.get(gpu, table.get("H100-SXM" if gpu == "H200" else self.fallback, 0.5))
+
+    def attention_share(self, gpu: str) -> float:
+        table = dict(self.attention)
+        return table.get(gpu, table.get("H100-SXM" if gpu == "H200" else self.fallback, 1.0))
 
     def calibrated(self, gpu: str) -> bool:
         return gpu in dict(self.e_max) or gpu == "H200"
@@ -284,7 +289,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         if k not in ("first", "last")) / gpu.hbm_bw
     # attention's own kernel (flash attention) reaches ``Efficiency.attention`` of the
     # linears' efficiency; materialised scores are batched matmuls priced as the linears
-    e_attn = e * (eff.attention if v.fused_attention else 1.0)
+    e_attn = e * (eff.attention_share(gpu.name) if v.fused_attention else 1.0)
     # flash attention's backward recomputes the scores: 2.5 forwards' FLOPs, not 2
     attention = attn_flops * held.layers * n_micro * (passes + 0.5 * bool(v.fused_attention)) \
         * v.attention_imbalance
