@@ -8,7 +8,9 @@ the pipeline bubble.
 - Compute time: those FLOPs over the GPU's peak times an achieved efficiency that grows with
   each linear's arithmetic intensity on one rank, ``x = 1 / (1/m + 1/k + 1/n)`` for its
   (tokens, input, output) after tp and cp split them: ``eff = e_max * x / (x + x0)``, fitted.
-  Frozen weights (LoRA) skip their weight-gradient matmuls.
+  Flash attention runs at a share of that fitted per GPU (its backward recomputes the scores:
+  2.5 forwards); float8 linears (the blocks', not the head) at a fitted speed-up on GPUs with
+  float8 tensor cores. Frozen weights (LoRA) skip their weight-gradient matmuls.
 - Collectives, alpha-beta: ``latency * steps + traffic / (link bandwidth * comm_eff)``
   (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block;
   the rest ``log2(n)``),
@@ -307,7 +309,6 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     layers = held.layers
     bwd_last = per_micro * (passes - 1) / passes  # the last micro-batch's backward
     exposed: dict[str, float] = {}
-    overlap = eff.overlap
 
     def add(axis: str, t: float) -> None:
         if t > 0:
@@ -333,7 +334,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         if c.kind == "ring":
             # the exchanges hide behind attention on the chunks already received
             behind = attention_s * (n - 1) / n
-            one = max(0.0, one - behind) + overlap * min(one, behind)
+            one = max(0.0, one - behind) + eff.overlap * min(one, behind)
         add(c.axis, one * count)
     # data parallelism
     whole = attrs.evolve(v, strategy=None)
@@ -368,14 +369,14 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             rs += reductions * _collective("reduce_scatter", ep_shard, ex * rb, cross, gpu, eff)
         first = ag / (gathers * units) if gathers else 0.0
         # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
-        # backward they follow (on its own stream); what hides still costs ``overlap`` of
+        # backward they follow (on its own stream); what hides still costs ``eff.overlap`` of
         # its time
         window = bwd_last * reductions if v.overlap_grad_reduce else 0.0
         hidden = min(ag, compute) + min(rs, window)
         add("dp_shard", max(0.0, ag - compute) + first + max(0.0, rs - window)
-            + overlap * hidden)
+            + eff.overlap * hidden)
         if v.dp_replicate > 1 and v.strategy == "fully_shard":
-            shard = unsharded * rb / n
+            shard = grads / n
             add("dp_replicate", _collective("all_reduce", v.dp_replicate, shard,
                                             v.group_crosses_nodes("dp_replicate"), gpu, eff,
                                             v.members_per_node("dp_replicate")))
@@ -384,7 +385,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         ar = _collective("all_reduce", v.dp, grads, v.group_crosses_nodes("dp"), gpu, eff,
                          v.members_per_node("dp"))
         # buckets reduced as backward fills them, the last one after it; or all after it
-        add("dp", max(0.0, ar - bwd_last) + overlap * min(ar, bwd_last)
+        add("dp", max(0.0, ar - bwd_last) + eff.overlap * min(ar, bwd_last)
             + ar * 25 * 2**20 / max(grads, 1) if v.overlap_grad_reduce else ar)
     # pipeline: the bubble and the sends on the critical path
     bubble = 0.0
