@@ -139,7 +139,7 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     # the software of the source, where it differs from torch's (a row may say otherwise)
     stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",
                                                 "fused_elementwise", "p2p_split_over_tp",
-                                                "pooled_nics")}
+                                                "pooled_nics", "sac_saves_gathers")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     setup = Setup(seq_len=r["seq_len"], global_batch=r["global_batch"],
                   micro_batch=r.get("micro_batch"), optimizer_states=2)

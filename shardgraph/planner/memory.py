@@ -190,7 +190,8 @@ def selective_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) 
     order a block runs them (q, k, v, o, then gate, up, down or fc1, fc2: q, v, gate, down
     of a Llama block), attention's output, and the outputs of the collectives inside it (tp's
     two all-reduces, or under sp its two all-gathers and two reduce-scatters; cp's K/V
-    all-gather). Under tp the row-parallel matmuls (o, down) give a partial sum of the whole
+    all-gather; a policy that recomputes all-gathers and all-reduces,
+    ``PlanView.sac_saves_gathers``, keeps the reduce-scatters' alone). Under tp the row-parallel matmuls (o, down) give a partial sum of the whole
     hidden size; the column-parallel ones 1 / tp of theirs.
     """
     h, t = shape.hidden, v.tp
@@ -207,8 +208,9 @@ def selective_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) 
     matmuls = [(q, True), (kv, True), (kv, True), (h, False)] + mlp
     kept = sum(n / t if split else n for n, split in matmuls[::2])
     kept += h / (t if v.sp else 1) + q / t  # the block's input, attention's output
-    if t > 1:
-        kept += 2 * h + 2 * h / t if v.sp else 2 * h
+    if t > 1:  # the collectives' outputs: two all-gathers and two reduce-scatters under sp
+        gathers = 2 * h if v.sac_saves_gathers else 0.0
+        kept += gathers + 2 * h / t if v.sp else gathers
     kv_full = 2 * kv / t * v.cp if v.cp > 1 else 0.0  # K/V all-gathered over cp, kept whole
     return dtype * (kept + kv_full) / v.cp
 

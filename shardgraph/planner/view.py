@@ -73,6 +73,9 @@ class PlanView:
     #: a collective across nodes uses the NICs of all its members in a node at once (NCCL's
     #: rings, one channel per NIC); False: one NIC's bandwidth per GPU
     pooled_nics: bool = True
+    #: selective checkpointing saves every collective's output (shardgraph's policy); False:
+    #: reduce-scatters' only, all-gathers and all-reduces recomputed (torchtitan's policy)
+    sac_saves_gathers: bool = True
 
     @property
     def dp(self) -> int:
