@@ -83,7 +83,7 @@ class Candidate:
         """The graph-form ``[plugins]`` table (``names``: role -> plugin, see ``roles``);
         options the user gave to plugins kept, and the user's plugins that play no part of the
         layout (compile, LoRA, float8, a chunked loss, ...) kept as they are."""
-        out: dict[str, dict[str, Any]] = {n: dict(base.options[n]) for n in base.kept}
+        out: dict[str, dict[str, Any]] = {}
 
         def put(role: str, **options: Any) -> None:
             name = names[role]
@@ -113,6 +113,8 @@ class Candidate:
                 out[names["ac"]]["mode"] = self.ac
         if names.get("mp") in base.options:
             put("mp")
+        for name in base.kept:
+            out.setdefault(name, dict(base.options[name]))
         return out
 
     def layout(self, world: int, gpn: int) -> MeshLayout:
