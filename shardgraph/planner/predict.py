@@ -153,7 +153,9 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             "matmul_efficiency": timing["efficiency"],
             "efficiency_curve": {"e_max": eff.ceiling(gpu.name), "x0": eff.x0,
                                  "comm_eff": eff.comm_eff, "elementwise": eff.elementwise,
-                                 "eager": eff.eager,
+                                 "eager": eff.eager, "overlap": eff.overlap,
+                                 "attention": eff.attention_share(gpu.name),
+                                 "float8": eff.float8 if gpu.fp8 else None,
                                  "calibrated_on_this_gpu": eff.calibrated(gpu.name)},
             # cpu_offload's memory is priced (nothing on the GPU); its host transfers and the
             # CPU optimizer step are not
