@@ -380,3 +380,19 @@ def test_a_plan_every_candidate_of_which_is_refused_says_why():
         autoplan(EIGHT_B + "[plugins.lora]\nrank = 16\n", 8)
     assert "plugins.lora.target_modules" in str(err.value)
     assert err.value.rule != "no-plan"
+
+
+def test_the_search_prices_compile_and_float8_for_the_best_plan():
+    """``plan --auto`` says what compile and float8 would gain on its best plan (from their
+    cost hooks: fused elementwise work, float8 linears at the fitted speed-up), float8 only on
+    GPUs with float8 tensor cores, and neither when the plan already has it."""
+    found = autoplan(EIGHT_B, 8, top=2)
+    gains = {s["plugin"]: s["faster_by"] for s in found["software"]}
+    assert set(gains) == {"compile", "float8"} and all(0 < g < 0.6 for g in gains.values())
+    assert gains["float8"] > gains["compile"]
+    assert found["software"][-1]["why"].startswith("adding float8 to #1")
+    on_a100 = autoplan(EIGHT_B, 8, top=2, gpu="A100-80GB")
+    assert [s["plugin"] for s in on_a100["software"]] == ["compile"]
+    compiled = autoplan(EIGHT_B + "[plugins.compile]\n", 8, top=2)
+    assert [s["plugin"] for s in compiled["software"]] == ["float8"]
+    assert compiled["candidates"][0]["step_time_s"] < found["candidates"][0]["step_time_s"]

@@ -61,6 +61,8 @@ def render_candidates(result: dict[str, Any]) -> str:
     lines += ["", *memory_lines(best), "", *time_lines(best)]
     if result["why"]:
         lines += ["", "why:", *("  " + w for w in result["why"])]
+    if result.get("software"):
+        lines += ["", "beyond the layout:", *("  " + s["why"] for s in result["software"])]
     return "\n".join(lines)
 
 

@@ -365,7 +365,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             if 1 < r < dp and (dp // r * c.cp) % c.ep == 0 and (dp * c.cp) % c.ep == 0:
                 score(attrs.evolve(c, dp_replicate=r))
     scored.sort(key=_rank)
-    results, refused = [], None
+    results, refused, chosen = [], None, []
     for *_, cand, est in scored:
         if len(results) >= top and not compile_all:
             break
@@ -384,6 +384,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             counts["refused"] += 1
             continue
         results.append(_row(cand, est, base, names, world_size, gpn))
+        chosen.append(cand)
     if not results and refused is not None:
         raise refused  # every plan that fits was refused: the first says why (the user's plan)
     if not results:
@@ -394,9 +395,42 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             f"seq_len = {setup.seq_len} ({counts['layouts']} layouts tried)",
             hint="use more or larger GPUs, a shorter sequence, or a global batch size with more "
             "divisors")])
+    software = _software(registry, base, names, chosen[0], results[0], view, shape,
+                         setup_for(chosen[0]), chip, eff)
     counts["seconds"] = round(time.perf_counter() - began, 3)
-    return {"candidates": results[:top] if not compile_all else results, "searched": counts,
-            "why": _why(results[:top] if not compile_all else results)}
+    shown = results[:top] if not compile_all else results
+    return {"candidates": shown, "searched": counts, "software": software,
+            "why": _why(shown)}
+
+
+#: software the search does not add on its own but prices for the best plan: the capability,
+#: and what the plugin that provides it changes
+SOFTWARE = {"compiled_blocks": "its blocks compiled by inductor",
+            "float8": "its blocks' linears in float8, whose numerics differ: compare the loss"}
+
+
+def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any], view,
+              shape, setup, chip, eff) -> list[dict[str, Any]]:
+    """The best plan's estimate with each of ``SOFTWARE`` the user's plan lacks and the
+    registry has (float8 on GPUs with float8 tensor cores only), where it is faster and fits:
+    what ``plan --auto`` suggests beyond the layout."""
+    out = []
+    for capability, what in SOFTWARE.items():
+        plugin = provider(registry, capability)
+        if plugin is None or plugin.name in base.options or (capability == "float8"
+                                                              and not chip.fp8):
+            continue
+        added = Base({**base.options, plugin.name: {}}, (*base.kept, plugin.name))
+        layout = cand.layout(view.world, view.gpn)
+        cost, unpriced = declared(registry, cand.plugins(added, names), layout)
+        est = evaluate(shape, view_of(layout, cost, unpriced), setup, chip, eff)
+        gain = 1 - est["step_time_s"] / best["step_time_s"]
+        if est["fits"] and gain > 0:
+            out.append({"plugin": plugin.name, "step_time_s": est["step_time_s"],
+                        "faster_by": gain,
+                        "why": f"adding {plugin.name} to #1 ({what}): {gain:.1%} faster "
+                        "per step"})
+    return out
 
 
 def _rank(scored: tuple) -> tuple[float, float]:
