@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -12,6 +13,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+#: Imported once by the fork server, which forks every rank: a spawned rank imports torch and
+#: transformers itself (four ranks on two cores: 20-30 s before a tiny Llama exists; forked from
+#: the server: under a second).
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+    "torch._dynamo", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+    "shardgraph", "tests.models",
+]
 
 
 def free_port() -> int:
@@ -40,16 +51,25 @@ def _worker(rank: int, world_size: int, port: int, out: str, fn, args) -> None:
         time.sleep(0.3)
 
 
-def run(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+def run(fn, world_size: int, *args, timeout: float = 240.0,
+        start_method: str = "forkserver") -> list:
     """``fn(rank, world_size, *args)`` on every rank; returns each rank's result.
 
     A failing rank makes the others be terminated (no hang); the error text of every failed
     rank is raised here. ``fn`` must be importable (module level).
+
+    Ranks are forked from one fork server per test session, started on first use, that has
+    only imported ``PRELOAD``: no torch thread pool, process group or model exists there to be
+    forked. A rank gets this process's ``sys.path`` and working directory but the server's
+    environment: a test that sets variables a rank must read at start-up (glibc's ``MALLOC_*``)
+    passes ``start_method="spawn"``.
     """
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(
             _worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
+            join=False, start_method=start_method,
         )
         deadline = time.monotonic() + timeout
         try:

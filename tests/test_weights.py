@@ -230,10 +230,11 @@ def test_sharded_start_init_load_and_export(hf_dir, tmp_path):
 
 @pytest.mark.multiprocess
 def test_no_rank_holds_the_whole_model(monkeypatch):
-    # glibc returns freed blocks at once, so resident size is what is alive
+    # glibc returns freed blocks at once, so resident size is what is alive (read when a
+    # process starts: spawned ranks, not ones forked from a server started without them)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
-    results = _dist.run(_peak_growth, 4, timeout=300)
+    results = _dist.run(_peak_growth, 4, timeout=300, start_method="spawn")
     for r in results:
         # 132 MB whole: a quarter of it as shards, plus one module drawn in full at a time
         # (the 16 MB embedding) and 24 MiB for the mesh, the process groups and the allocator
