@@ -23,6 +23,7 @@ from tests import _dist
 from tests.models import full, tiny_llama
 from tests.test_same_numbers import (
     assert_matches_one_process,
+    mesh,
     reference,
     tiny_moe,
     train_recipe,
@@ -50,7 +51,7 @@ def _run(name: str, world: int) -> dict:
     kind, graph, micro = LAYOUTS[name]
     model = tiny_llama(layers=4) if kind == "llama" else tiny_moe()
     plan = graph().add("chunked_loss", chunk_size=CHUNK).compile(world_size=world)
-    ctx = plan.build_mesh("cpu")
+    ctx = mesh(plan)
     parallel = plan.apply(model, ctx)
     losses, norms, _ = train_recipe(parallel, ctx, micro)
     params = {n.removeprefix("module."): full(p) for n, p in parallel.named_parameters()}
