@@ -50,12 +50,13 @@ def test_fitted_constants_are_the_fit():
             other = step(cal.GRID[field], getattr(cal.FITTED, field), by)
             if other is not None:
                 neighbours.append(attrs.evolve(cal.FITTED, **{field: other}))
-        for i, (gpu, e) in enumerate(cal.FITTED.e_max):
-            other = step(cal.GRID["e_max"], e, by)
-            if other is not None:
-                table = list(cal.FITTED.e_max)
-                table[i] = (gpu, other)
-                neighbours.append(attrs.evolve(cal.FITTED, e_max=tuple(table)))
+        for per_gpu in ("e_max", "attention"):  # each GPU's e_max and attention share
+            for i, (gpu, e) in enumerate(getattr(cal.FITTED, per_gpu)):
+                other = step(cal.GRID[per_gpu], e, by)
+                if other is not None:
+                    table = list(getattr(cal.FITTED, per_gpu))
+                    table[i] = (gpu, other)
+                    neighbours.append(attrs.evolve(cal.FITTED, **{per_gpu: tuple(table)}))
     assert len(neighbours) >= 10
     for eff in neighbours:
         assert cal._loss(eff, fit_rows) >= here - 1e-12, eff

@@ -13,7 +13,6 @@ ddp takes no model parallelism): the cost model prices capabilities, not plugins
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from pathlib import Path
 from typing import Any
