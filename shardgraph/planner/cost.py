@@ -70,13 +70,16 @@ class Efficiency:
     attention: tuple[tuple[str, float], ...] = ()
 
     def ceiling(self, gpu: str) -> float:
-        table = dict(self.e_max)
-        # H200 is H100's compute die with more and faster HBM
-        return table.get(gpu, table.get("H100-SXM" if gpu == "H200" else self.fallback, 0.5))
+        return self._for(self.e_max, gpu, 0.5)
 
     def attention_share(self, gpu: str) -> float:
-        table = dict(self.attention)
-        return table.get(gpu, table.get("H100-SXM" if gpu == "H200" else self.fallback, 1.0))
+        return self._for(self.attention, gpu, 1.0)
+
+    def _for(self, table: tuple[tuple[str, float], ...], gpu: str, default: float) -> float:
+        """``gpu``'s entry of a per-GPU table, else ``fallback``'s (H200 is H100's compute die
+        with more and faster HBM: H100's)."""
+        found = dict(table)
+        return found.get(gpu, found.get("H100-SXM" if gpu == "H200" else self.fallback, default))
 
     def calibrated(self, gpu: str) -> bool:
         return gpu in dict(self.e_max) or gpu == "H200"

@@ -412,13 +412,12 @@ SOFTWARE = {"compiled_blocks": "its blocks compiled by inductor",
 def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any], view,
               shape, setup, chip, eff) -> list[dict[str, Any]]:
     """The best plan's estimate with each of ``SOFTWARE`` the user's plan lacks and the
-    registry has (float8 on GPUs with float8 tensor cores only), where it is faster and fits:
-    what ``plan --auto`` suggests beyond the layout."""
+    registry has, where it is faster and fits (float8 is not, on a GPU without float8 tensor
+    cores): what ``plan --auto`` suggests beyond the layout."""
     out = []
     for capability, what in SOFTWARE.items():
         plugin = provider(registry, capability)
-        if plugin is None or plugin.name in base.options or (capability == "float8"
-                                                              and not chip.fp8):
+        if plugin is None or plugin.name in base.options:
             continue
         added = Base({**base.options, plugin.name: {}}, (*base.kept, plugin.name))
         layout = cand.layout(view.world, view.gpn)
