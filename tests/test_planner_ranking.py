@@ -48,10 +48,12 @@ def _rank(result, *parts: str) -> int | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #255: with 96 GB and the loss on vocabulary "
-                   "shards, layouts without activation checkpointing fit (pp 4, tp 4, cp 4) and "
-                   "are predicted ~24% faster than the measured FSDP 32 x TP 8 with full "
-                   "checkpointing; nobody measured them")
+@pytest.mark.xfail(strict=True, reason="ranked #337: with 96 GB, the loss on vocabulary "
+                   "shards and each pipeline rank holding only the micro-batches torch's 1F1B "
+                   "keeps in flight on it, layouts without activation checkpointing fit (tp 4 x "
+                   "pp 4 x cp 2) and are predicted ~27% faster than the measured FSDP 32 x TP 8 "
+                   "with full checkpointing (a third less compute, a 5% bubble at 64 "
+                   "micro-batches); nobody measured them")
 def test_torchtitan_70b_fsdp_tp_on_256_gpus():
     """torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 4: Llama 3.1 70B on 256
     H100 (96 GB), local batch 16, full AC: FSDP 32 x TP 8."""
@@ -69,22 +71,21 @@ def test_torchtitan_405b_interleaving_beats_1f1b_in_the_search():
     assert inter is not None and (one is None or inter < one)
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #6 (tp 8, pp 8 interleaved with cp 8): the "
-                   "search prefers tp 8 x pp 16 x cp 4 without checkpointing under zero bubble "
-                   "or ZB-V (its bubble ~1% of a step, nobody measured it); the measured layout "
-                   "without cp needs full AC")
+@pytest.mark.xfail(strict=True, reason="ranked #7 (tp 8, pp 8 interleaved with cp 8): the "
+                   "search prefers tp 8 x pp 16 x cp 4 without checkpointing under ZB-V or "
+                   "1F1B (nobody measured them); the measured layout without cp needs full AC")
 def test_torchtitan_405b_interleaved_is_in_the_top_3():
     result = autoplan(_pipeline("405B", 256, 8192, hbm_gib=96), 512, top=400)
     place = _rank(result, "tp 8 + sp", "pp 8 interleaved_1f1b")
     assert place is not None and place <= 3
 
 
-@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks #101: "
-                   "without activation checkpointing it does not fit as torch runs it (307 GiB "
+@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks #82: "
+                   "without activation checkpointing it does not fit as torch runs it (246 GiB "
                    "predicted: sp keeps the gathered inputs of the linears, the last stage keeps "
-                   "every micro-batch's logits), and with it the search prefers tp 8 x pp 32 x "
-                   "cp 4 under ZB-V: tp 8's exposed collectives are priced at ~10% of a step, "
-                   "and the model over-predicts the measured tp 8 rows by up to 16%")
+                   "every micro-batch's logits; the paper's own pipeline frees what torch's "
+                   "keeps), and with it the search prefers tp 8 x pp 32 x cp 4 under ZB-V or "
+                   "looped zero bubble, 15% faster (no recompute; nobody measured it)")
 def test_llama3_405b_tp8_pp16_on_8192_gpus():
     """Llama 3 paper Table 4: 405B on 8,192 H100, 16M tokens per batch: TP 8, PP 16, DP 64."""
     result = autoplan(_pipeline("405B", 2048, 8192), 8192, top=400)

@@ -1,7 +1,7 @@
 """The planner's pipeline arithmetic against torch's own schedules: the order of passes each
 ``torch.distributed.pipelining`` schedule runs on each rank (its action tables; for 1F1B the
 order its step loop follows) is played out with the planner's pass times, and the bubble and
-the activations rank 0 holds at its peak are what ``bubble_share`` and ``inflight`` say.
+the activations each rank holds at its peak are what ``bubble_share`` and ``inflight`` say.
 Pure Python: no process group, no stage is built."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ SCHEDULES = ["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("pp,n", [(2, 4), (4, 8), (4, 16), (8, 32)])
+@pytest.mark.parametrize("pp,n", [(2, 4), (4, 8), (4, 16), (8, 32), (8, 8), (8, 10), (8, 12), (4, 5)])
 @pytest.mark.parametrize("recompute", [0.0, 1.0])
 def test_bubble_and_peak_activations_are_torchs(schedule, pp, n, recompute):
     view, v = _view(schedule, pp, n, recompute)
@@ -119,8 +119,8 @@ def test_bubble_and_peak_activations_are_torchs(schedule, pp, n, recompute):
     length, busiest, peak = _play(_torch_order(view.schedule, pp, v, n), pp * v, f, b, w)
     assert busiest == pytest.approx(n * v * (f + b + w))
     assert length / busiest - 1 == pytest.approx(bubble_share(view, n, v), abs=1e-9)
-    # rank 0 holds the most, and as many chunks as the planner says
-    assert peak[0] == max(peak.values()) == inflight(view, n, v)
+    # every rank holds as many chunks at its peak as the planner says
+    assert {r: inflight(view, n, v, r) for r in peak} == peak
 
 
 def test_the_play_finds_a_bubble_the_formula_would_miss():
@@ -130,3 +130,36 @@ def test_the_play_finds_a_bubble_the_formula_would_miss():
     length, busiest, _ = _play(_torch_order("Schedule1F1B", 4, 1, 8), 4, f, b, w)
     as_if = attrs.evolve(view, stages_per_rank=2)
     assert length / busiest - 1 != pytest.approx(bubble_share(as_if, 8, 2), abs=1e-3)
+
+
+def test_each_pipeline_rank_is_priced_with_what_it_holds():
+    """Rank r of a 1F1B pipeline keeps pp - r micro-batches in flight (the last one, with the
+    LM head, a single one), and every stage keeps torch's receive buffers for all micro-batches:
+    one activation per micro-batch unless it is the first stage, one gradient unless it is the
+    last (``PipelineStage`` allocates them when the schedule first runs)."""
+    from shardgraph.planner.memory import (activation_bytes, microbatches, recv_buffers,
+                                           stage_layers)
+    from shardgraph.planner.predict import setup_of
+    from shardgraph.planner.shape import model_shape
+    from shardgraph.planner.view import plan_view
+    from shardgraph.train.config import loads_pipeline
+    from shardgraph.train.loop import compile_for
+
+    pipeline = loads_pipeline(
+        '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nhidden_size = 128\n'
+        'intermediate_size = 384\nnum_hidden_layers = 8\nnum_attention_heads = 4\n'
+        'num_key_value_heads = 2\nvocab_size = 64\n[data]\nseq_len = 256\n[train]\n'
+        'global_batch_size = 16\n[plugins.activation_checkpointing]\n'
+        '[plugins.pp]\nsize = 4\nschedule = "1f1b"\n')
+    shape, v = model_shape(pipeline.model), plan_view(compile_for(pipeline, 4))
+    setup = setup_of(pipeline)
+    _, n = microbatches(v, setup)
+    ranks = stage_layers(shape, v)
+    boundary = 256 * 128 * 4  # one sequence's hidden states in fp32
+    assert n == 16 and [recv_buffers(shape, v, setup, held, 4, 1) for held, _ in ranks] == [
+        n * boundary, 2 * n * boundary, 2 * n * boundary, n * boundary]
+    # the middle ranks hold alike but for their micro-batches in flight: 4, 3, 2, 1 blocks'
+    # inputs of two layers each (full checkpointing keeps a block's input)
+    held, chunks = ranks[1]
+    body = [activation_bytes(shape, v, setup, held, chunks, 4, r) for r in (1, 2)]
+    assert body[0] - body[1] == pytest.approx(2 * boundary)

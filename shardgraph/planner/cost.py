@@ -229,16 +229,23 @@ def bubble_share(v: PlanView, n_micro: int, chunks: int) -> float:
       idle slot to one chunk's, ``1 / v`` of it;
     - zero bubble (torch's looped ZB-H1 and its ZB-V alike): the weight passes fill the
       drain, up to a forward's worth: ``(pp - 1) (B + max(F - W, 0))``, which is Qi et al.'s
-      ``(pp - 1) (F + B - W)`` when the passes take alike.
+      ``(pp - 1) (F + B - W)`` when the passes take alike;
+    - ZB-V as torch orders it fills the drain so only from ``1.5 pp`` micro-batches on: with
+      fewer, ``min(pp - 1, 3 pp - 2 n_micro - 1)`` backward passes more stand idle (at
+      ``n_micro = pp`` twice the bubble above).
 
     ``tests/test_planner_schedules.py`` runs torch's own action tables with these pass times
-    (with and without recomputation) and finds the same; ZB-V's table, ordered for passes that
-    take alike, departs from it for other ratios than these.
+    (with and without recomputation, micro-batches from ``pp`` up) and finds the same; ZB-V's
+    table, ordered for passes that take alike, departs from it for other ratios than ``B = W
+    >= F``, the planner's.
     """
     f, b, w = pass_times(v)
     pipe = v.pipeline
-    idle = b + max(f - w, 0.0) if pipe is not None and pipe.split_backward else f + b + w
-    return (v.pp - 1) * idle / (n_micro * chunks * (f + b + w))
+    idle = (v.pp - 1) * (b + max(f - w, 0.0) if pipe is not None and pipe.split_backward
+                         else f + b + w)
+    if pipe is not None and pipe.v_shape:
+        idle += max(0, min(v.pp - 1, 3 * v.pp - 2 * n_micro - 1)) * b
+    return idle / (n_micro * chunks * (f + b + w))
 
 
 def pp_sends(v: PlanView, n_micro: int, chunks: int) -> float:

@@ -215,35 +215,53 @@ def selective_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) 
     return dtype * (kept + kv_full) / v.cp
 
 
-def inflight(v: PlanView, n_micro: int, chunks: int) -> float:
-    """Micro-batches of one chunk whose activations pp rank 0 holds at its peak, as torch's
-    schedules order the work (``torch.distributed.pipelining.schedules``).
+def inflight(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> float:
+    """Micro-batches of one chunk whose activations pp rank ``rank`` holds at its peak, as
+    torch's schedules order the work (``torch.distributed.pipelining.schedules``). A round is
+    ``m = n_micro // max(1, n_micro // pp)`` micro-batches (``pp`` when it divides them).
 
-    - forward first (GPipe, looped BFS): every micro-batch of every chunk;
-    - 1F1B: ``pp`` forwards before the first backward;
-    - looped 1F1B (interleaved): ``(v - 1) pp + 2 (pp - 1)`` chunk forwards of warm-up, one more
-      in the steady state (as Narayanan et al. 2021 count it: ``pp (1 + (pp - 1) / (pp v))``
-      of the rank's layers);
-    - zero bubble, looped: a warm-up of ``(v - 1) pp + pp - 1`` chunk forwards, each block's
-      activations held until its weight-gradient pass: ``v pp`` chunks;
-    - zero bubble in a V (ZB-V, DualPipeV): ``2 pp`` chunks, ``pp`` micro-batches of the
-      rank's layers, as 1F1B.
+    - forward first (GPipe, looped BFS): every micro-batch of every chunk, on every rank;
+    - 1F1B: ``pp - rank`` forwards before the first backward (the last stage holds one);
+    - looped 1F1B (interleaved): ``(v - 1) m + 2 (pp - 1 - rank)`` chunk forwards of warm-up,
+      one more in the steady state (for rank 0 and ``m = pp`` as Narayanan et al. 2021 count
+      it: ``pp (1 + (pp - 1) / (pp v))`` of the rank's layers);
+    - zero bubble, looped: a warm-up of ``(v - 1) m + pp - 1 - rank`` chunk forwards, each
+      block's activations held until its weight-gradient pass: ``(v - 1) m + pp`` on every rank;
+    - zero bubble in a V (ZB-V, DualPipeV): ``n_micro + 1 + rank`` chunks, at most ``2 pp``
+      (rank 0, which holds the first and the last stage, the fewest).
 
-    ``tests/test_planner_schedules.py`` counts the same on torch's own action tables.
+    ``tests/test_planner_schedules.py`` counts the same on torch's own action tables, rank by
+    rank.
     """
     pipe = v.pipeline
+    pp = max(v.pp, 1)
+    every = n_micro * chunks
     if pipe is not None and pipe.forward_first:
-        return float(n_micro * chunks)
-    if chunks == 1 or (pipe is not None and pipe.v_shape):
-        return float(min(n_micro, v.pp) * chunks)
+        return float(every)
+    if pipe is not None and pipe.v_shape:
+        return float(min(every, chunks * pp, n_micro + 1 + rank))
+    if chunks == 1:
+        return float(min(n_micro, pp - rank))
+    m = n_micro // max(1, n_micro // pp)
     if pipe is not None and pipe.split_backward:
-        return float(min(n_micro * chunks, chunks * v.pp))
-    return float(min(n_micro * chunks, (chunks - 1) * v.pp + 2 * (v.pp - 1) + 1))
+        return float(min(every, (chunks - 1) * m + pp))
+    return float(min(every, (chunks - 1) * m + 2 * (pp - 1 - rank) + 1))
 
 
 def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,
-                     dtype: int) -> float:
-    """Activations live at the peak of one pp rank's step."""
+                     dtype: int, rank: int = 0) -> float:
+    """Activations live at the peak of pp rank ``rank``'s step."""
+    per_micro_batch, fixed = activation_parts(shape, v, setup, held, n_stages, dtype)
+    if v.pp <= 1:
+        return per_micro_batch + fixed
+    chunks = max(n_stages, 1)
+    return per_micro_batch * inflight(v, microbatches(v, setup)[1], chunks, rank) / chunks + fixed
+
+
+def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,
+                     dtype: int) -> tuple[float, float]:
+    """(the bytes all the rank's blocks keep for one micro-batch, the bytes it holds however
+    many are in flight: one block's recomputation, the loss, the embedding's output)."""
     mbs, n_micro = microbatches(v, setup)
     tokens = mbs * setup.seq_len  # per micro-batch, before cp splits it
     layers = held.layers
@@ -258,11 +276,6 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         peak_extra = per_layer_full
     else:
         per_layer, peak_extra = per_layer_full, 0.0
-    if v.pp > 1:
-        chunks = max(n_stages, 1)
-        body = per_layer * layers * inflight(v, n_micro, chunks) / chunks
-    else:
-        body = per_layer * layers
     logits = 0.0
     if "last" in held:
         # the loss's peak, in its backward: the head's logits (compute dtype), cross-entropy's
@@ -278,12 +291,13 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
             out = shape.hidden if v.loss_chunk_tokens else vocab
             logits += (n_micro - 1) * tokens / v.cp * out * dtype
     embed = tokens / v.cp * shape.hidden * dtype if "first" in held else 0.0
-    return body + peak_extra + logits + embed
+    return per_layer * layers, peak_extra + logits + embed
 
 
 def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
-                 dtype: int) -> float:
-    """Unsharded copies a data-parallel strategy keeps besides the shards.
+                 dtype: int, chunks: int = 1) -> float:
+    """Unsharded copies a data-parallel strategy keeps besides the shards, and a pipeline
+    stage's receive buffers (``recv_buffers``).
 
     fully_shard (FSDP2): the gathered parameters of the block running and the one prefetched,
     or, when parameters are not resharded after forward (fsdp2's default under pp), every
@@ -293,10 +307,11 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
     pipeline stages reduce on the last micro-batch), every block's, accumulated in the
     reduce dtype. ddp: a pair of 25 MiB gradient buckets.
     """
+    received = recv_buffers(shape, v, setup, held, dtype, chunks)
     if v.strategy == "replicate":
-        return 2 * 25 * 2**20
+        return received + 2 * 25 * 2**20
     if v.strategy not in ("fully_shard", "sharded"):
-        return 0.0
+        return received
     whole = _unsharded(v)
     dense = held_numel(shape, held, whole, False if v.ep > 1 else None)
     block = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), whole)
@@ -307,7 +322,23 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
     # (``backward_maybe_with_nosync``), whatever the strategy's own setting
     defer = v.defer_grad_sync or v.pp > 1
     grads = dense * reduce if defer and n_micro > 1 else block * reduce
-    return float(params + grads * trainable_share(shape, v))
+    return float(received + params + grads * trainable_share(shape, v))
+
+
+def recv_buffers(shape: ModelShape, v: PlanView, setup: Setup, held: Held, dtype: int,
+                 chunks: int) -> float:
+    """The receive buffers of this rank's pipeline stages: torch's ``PipelineStage`` allocates
+    one per micro-batch when a schedule is first run, and keeps them, for the activation each
+    stage but the first receives and for the gradient each stage but the last receives (a
+    micro-batch's hidden states, split over cp and, under sp, over tp). The buffers of the
+    micro-batches in flight are also the first block's saved input, counted in activations
+    too: over by one block's input, the safe side."""
+    if v.pp <= 1:
+        return 0.0
+    mbs, n_micro = microbatches(v, setup)
+    boundary = mbs * setup.seq_len / v.cp * shape.hidden / (v.tp if v.sp else 1) * dtype
+    receiving = 2 * chunks - ("first" in held) - ("last" in held)
+    return n_micro * receiving * boundary
 
 
 def _unsharded(v: PlanView) -> PlanView:

@@ -11,7 +11,8 @@ from ..core.errors import PlanError, Violation
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
-from .memory import activation_bytes, buffer_bytes, microbatches, stage_layers, state_bytes
+from .memory import (activation_parts, buffer_bytes, inflight, microbatches, stage_layers,
+                     state_bytes)
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, plan_view
 
@@ -94,11 +95,15 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup) -> tuple[dict[str, i
     act_dtype = v.compute_bytes or shape.param_bytes
     states = state_bytes(shape, v, setup)
     rows, seen = [], {}
-    for (held, chunks), st in zip(stage_layers(shape, v), states):
-        if (held, chunks) not in seen:  # the middle ranks of a pipeline hold alike
-            seen[held, chunks] = (activation_bytes(shape, v, setup, held, chunks, act_dtype),
-                                  buffer_bytes(shape, v, setup, held, act_dtype))
-        act, buffers = seen[held, chunks]
+    n_micro = microbatches(v, setup)[1]
+    for rank, ((held, chunks), st) in enumerate(zip(stage_layers(shape, v), states)):
+        if (held, chunks) not in seen:  # ranks that hold alike are priced once
+            seen[held, chunks] = (activation_parts(shape, v, setup, held, chunks, act_dtype),
+                                  buffer_bytes(shape, v, setup, held, act_dtype, chunks))
+        (per_micro_batch, fixed), buffers = seen[held, chunks]
+        # the rank's own micro-batches in flight (rank r of 1F1B: pp - r)
+        act = fixed + (per_micro_batch * inflight(v, n_micro, chunks, rank) / chunks
+                       if v.pp > 1 else per_micro_batch)
         # what the steps declare: a scale on activations, bytes on every rank
         act, buffers = act * v.activation_scale, buffers + v.memory_bytes
         on_gpu = 0 if v.cpu_offload else st["params"] + st["grads"] + st["optimizer"]
