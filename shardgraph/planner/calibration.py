@@ -24,6 +24,7 @@ from ..plugins.builtin import builtin_registry
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GiB, resolve_gpu
+from .memory import FUSED_SAVES
 from .predict import memory_of
 from .shape import ModelShape
 from .view import PlanView, Setup, declared, view_of
@@ -57,6 +58,9 @@ class Row:
     metric: str | None
     value: float | None
     memory_gib: float | None
+    #: the same run without the compiler (and float8), from the same source: the pair
+    #: ``fit_fused_saves`` compares
+    eager_twin: str | None = None
 
     def published_step_s(self) -> float | None:
         """The published figure as the time of one optimizer step."""
@@ -144,7 +148,7 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                   micro_batch=r.get("micro_batch"), optimizer_states=2)
     memory = r.get("memory_gib")
     return Row(r["name"], r["source"], r["split"], _shape(r["model"]), view, setup, gpu,
-               r.get("metric"), r.get("value"), memory)
+               r.get("metric"), r.get("value"), memory, r.get("eager_twin"))
 
 
 @functools.cache
@@ -229,6 +233,26 @@ def fit_reserve() -> float:
     return RESERVES[-1]
 
 
+#: the shares of a block's saved bytes ``fit_fused_saves`` tries
+FUSED = [round(0.01 * i, 2) for i in range(50, 101)]
+
+
+def fused_ratio(row: Row, share: float = FUSED_SAVES) -> tuple[float, float]:
+    """(predicted, measured) peak memory of a compiled run over its eager twin's."""
+    twin = next(r for r in rows() if r.name == row.eager_twin)
+    total = [memory_of(r.shape, r.view, r.setup, share)[0]["total"] for r in (row, twin)]
+    return total[0] / total[1], row.memory_gib / twin.memory_gib
+
+
+def fit_fused_saves() -> float:
+    """The share of what a block keeps that a compiled block still keeps: the one whose
+    predicted memory of each compiled run of the fit split, over its eager twin's (the same
+    run without the compiler), is closest to the measured ratio."""
+    pairs = [r for r in rows() if r.split == "fit" and r.eager_twin]
+    return min(FUSED, key=lambda share: sum(
+        abs(math.log(p / m)) for p, m in (fused_ratio(r, share) for r in pairs)))
+
+
 def _memory_error(row: Row, reserve: float) -> float:
     m = memory_of(row.shape, row.view, row.setup)[0]
     total = m["total"] - m["reserve"] + reserve * (m["activations"] + m["buffers"])
@@ -288,7 +312,7 @@ def report(eff: Efficiency = FITTED) -> str:
 
 
 if __name__ == "__main__":
-    print("allocator reserve:", fit_reserve())
+    print("allocator reserve:", fit_reserve(), "fused saves:", fit_fused_saves())
     found = fit()
     print(found)
     print(report(found))

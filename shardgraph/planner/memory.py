@@ -24,6 +24,11 @@ from .shape import ModelShape, Param, kind_params, layer_kind
 from .view import PlanView, Setup
 
 
+#: the share of what a block keeps for backward that a compiled block (``fused_elementwise``)
+#: still keeps: ``calibration.fit_fused_saves`` on the published compiled runs of the fit split
+#: (torchtitan's, which compile the checkpointed block: the partitioner sees the policy)
+FUSED_SAVES = 0.85
+
 #: what a pp rank may hold besides blocks: the first stage's embedding, the last stage's norm and
 #: LM head, and the last stage's copy of a tied embedding (no compute of its own)
 EXTRAS = ("first", "last", "tied")
@@ -251,7 +256,8 @@ def inflight(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> float:
 def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,
                      dtype: int, rank: int = 0) -> float:
     """Activations live at the peak of pp rank ``rank``'s step."""
-    per_micro_batch, fixed = activation_parts(shape, v, setup, held, n_stages, dtype)
+    per_micro_batch, fixed = activation_parts(shape, v, setup, held, n_stages, dtype,
+                                              FUSED_SAVES)
     if v.pp <= 1:
         return per_micro_batch + fixed
     chunks = max(n_stages, 1)
@@ -259,9 +265,10 @@ def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
 
 
 def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,
-                     dtype: int) -> tuple[float, float]:
+                     dtype: int, fused_saves: float) -> tuple[float, float]:
     """(the bytes all the rank's blocks keep for one micro-batch, the bytes it holds however
-    many are in flight: one block's recomputation, the loss, the embedding's output)."""
+    many are in flight: one block's recomputation, the loss, the embedding's output);
+    ``fused_saves``: the share of its saved bytes a compiled block keeps."""
     mbs, n_micro = microbatches(v, setup)
     tokens = mbs * setup.seq_len  # per micro-batch, before cp splits it
     layers = held.layers
@@ -276,6 +283,12 @@ def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         peak_extra = per_layer_full
     else:
         per_layer, peak_extra = per_layer_full, 0.0
+    if v.fused_elementwise and not (v.ac and v.ac_saves == "input"):
+        # a compiler's partitioner recomputes fused elementwise results instead of keeping
+        # them: what a block keeps shrinks (``FUSED_SAVES``, fitted). Not one block's
+        # recomputation under full checkpointing: torch's checkpoint recomputes with dynamo
+        # disabled, eagerly, when the compiled forward runs inside it (shardgraph's order)
+        per_layer *= fused_saves
     logits = 0.0
     if "last" in held:
         # the loss's peak, in its backward: the head's logits (compute dtype), cross-entropy's

@@ -11,8 +11,8 @@ from ..core.errors import PlanError, Violation
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
-from .memory import (activation_parts, buffer_bytes, inflight, microbatches, stage_layers,
-                     state_bytes)
+from .memory import (FUSED_SAVES, activation_parts, buffer_bytes, inflight, microbatches,
+                     stage_layers, state_bytes)
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, plan_view
 
@@ -90,15 +90,18 @@ def model_violations(shape: ModelShape, v: PlanView, setup: Setup) -> list[Viola
     return bad
 
 
-def memory_of(shape: ModelShape, v: PlanView, setup: Setup) -> tuple[dict[str, int], int]:
-    """The worst pp rank's memory (bytes by kind, and ``total``) and that rank's index."""
+def memory_of(shape: ModelShape, v: PlanView, setup: Setup,
+              fused_saves: float = FUSED_SAVES) -> tuple[dict[str, int], int]:
+    """The worst pp rank's memory (bytes by kind, and ``total``) and that rank's index
+    (``fused_saves``: what a compiled block keeps, for the calibration to try others)."""
     act_dtype = v.compute_bytes or shape.param_bytes
     states = state_bytes(shape, v, setup)
     rows, seen = [], {}
     n_micro = microbatches(v, setup)[1]
     for rank, ((held, chunks), st) in enumerate(zip(stage_layers(shape, v), states)):
         if (held, chunks) not in seen:  # ranks that hold alike are priced once
-            seen[held, chunks] = (activation_parts(shape, v, setup, held, chunks, act_dtype),
+            seen[held, chunks] = (activation_parts(shape, v, setup, held, chunks, act_dtype,
+                                                   fused_saves),
                                   buffer_bytes(shape, v, setup, held, act_dtype, chunks))
         (per_micro_batch, fixed), buffers = seen[held, chunks]
         # the rank's own micro-batches in flight (rank r of 1F1B: pp - r)
