@@ -3,13 +3,14 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
-error 4.3% over 33 rows (bound 6%), no held-out row off by more than 30% (the worst:
-torchtitan's 8B at 64k tokens with cp 2, +28%, then NeMo AutoModel's 70B FSDP 32 x CP 2, +13%,
-torchtitan's 8B at 32k, +12%); held-out memory MAPE 6.4% over 13 rows (bound 10%): the furthest
-under a measured peak -19.5% (torchtitan's 405B 1F1B, 10 GiB over its interleaved twin, which
-no count of what torch's schedules hold explains; bound -20%), torchtitan's 4D runs +3.2% to
--8.3%, its selective-AC 8B run +1%, compiled +1% and +3% (a compiled block keeps a fitted
-0.85 of what an eager one keeps).
+error 4.7% over 39 rows (bound 6%), no held-out row off by more than 30% (the worst:
+torchtitan's 8B at 64k tokens with cp 2, +28%, then its 405B pipelines of Table 5, -15% and
+-14%, NeMo AutoModel's 70B FSDP 32 x CP 2, +13%, torchtitan's 8B at 32k, +12%); held-out
+memory MAPE 4.7% over 14 rows (bound 10%): the furthest under a measured peak -8.3%
+(torchtitan's 405B at 256k tokens, cp 8; bound -10%), its 405B 1F1B -5.8% and interleaved
++18.5% (measured 10 GiB under 1F1B, which no count of what torch's schedules hold explains),
+its other 4D runs +1% to +3%, its selective-AC 8B run +1%, compiled +1% and +3% (a compiled
+block keeps a fitted 0.85 of what an eager one keeps).
 Run ``python -m shardgraph.planner.calibration`` for the full table.
 """
 
@@ -23,7 +24,7 @@ from shardgraph.planner import calibration as cal
 TIME_MAPE_BOUND = 0.06
 TIME_ROW_BOUND = 0.30
 MEMORY_MAPE_BOUND = 0.10
-MEMORY_UNDER_BOUND = -0.20
+MEMORY_UNDER_BOUND = -0.10
 
 
 def test_every_row_is_cited_and_split():
@@ -127,21 +128,23 @@ def test_published_better_layouts_are_predicted_better(better, worse):
 
 
 def _table5():
-    one = next(r for r in cal.rows() if r.name.endswith("1F1B (Table 5, memory)"))
-    inter = next(r for r in cal.rows() if r.name.endswith("interleaved (Table 5, memory)"))
+    one = next(r for r in cal.rows() if r.name.endswith("1F1B (Table 5)"))
+    inter = next(r for r in cal.rows() if r.name.endswith("interleaved (Table 5)"))
     return cal.predict(one, cal.FITTED), cal.predict(inter, cal.FITTED)
 
 
 def test_interleaving_lowers_the_predicted_time_as_torchtitan_measured():
-    """torchtitan Table 5 (405B, 512 GPUs): interleaved 1F1B 128 vs 1F1B 100 tokens/s/GPU."""
+    """torchtitan Table 5 (405B, 512 GPUs, 8 micro-batches of 4): interleaved 1F1B 128 vs
+    1F1B 100 tokens/s/GPU, the ratio of their bubbles (7/16 and 7/8 of the compute)."""
     p1, pi = _table5()
-    assert pi["step_s"] < p1["step_s"]
+    assert p1["step_s"] / pi["step_s"] == pytest.approx(128 / 100, rel=0.05)
 
 
 @pytest.mark.xfail(strict=True, reason="torchtitan measured 72.7 GiB interleaved against 82.5 "
-                   "for 1F1B; torch's interleaved schedule warms up with (v - 1) pp + 2 (pp - 1) "
-                   "chunk forwards, more activations than 1F1B's pp, so the model predicts the "
-                   "opposite, and the difference it misses is unexplained")
+                   "for 1F1B; at 8 micro-batches of 4, torch's interleaved table keeps 9 chunk "
+                   "forwards in flight on the last rank (which also holds the loss) where 1F1B's "
+                   "keeps one, so the model predicts 86 GiB against 78; the difference it "
+                   "misses is unexplained")
 def test_interleaving_lowers_the_memory_as_torchtitan_measured():
     p1, pi = _table5()
     assert pi["memory_gib"] < p1["memory_gib"]
