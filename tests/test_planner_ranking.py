@@ -48,12 +48,13 @@ def _rank(result, *parts: str) -> int | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #337: with 96 GB, the loss on vocabulary "
-                   "shards and each pipeline rank holding only the micro-batches torch's 1F1B "
-                   "keeps in flight on it, layouts without activation checkpointing fit (tp 4 x "
-                   "pp 4 x cp 2) and are predicted ~27% faster than the measured FSDP 32 x TP 8 "
-                   "with full checkpointing (a third less compute, a 5% bubble at 64 "
-                   "micro-batches); nobody measured them")
+@pytest.mark.xfail(strict=True, reason="ranked #516: with 96 GB, the loss on vocabulary "
+                   "shards and each pipeline rank holding only what torch's schedule keeps on it "
+                   "(no other micro-batch's logits: shardgraph steps with return_outputs=False), "
+                   "layouts without activation checkpointing fit (tp 4 x pp 4 x cp 2 under zero "
+                   "bubble, ZB-V or 1F1B) and are predicted ~30% faster than the measured FSDP "
+                   "32 x TP 8 with full checkpointing (a third less compute, a few % of bubble "
+                   "at 64 micro-batches); nobody measured them")
 def test_torchtitan_70b_fsdp_tp_on_256_gpus():
     """torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 4: Llama 3.1 70B on 256
     H100 (96 GB), local batch 16, full AC: FSDP 32 x TP 8."""
@@ -71,9 +72,9 @@ def test_torchtitan_405b_interleaving_beats_1f1b_in_the_search():
     assert inter is not None and (one is None or inter < one)
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #7 (tp 8, pp 8 interleaved with cp 8): the "
-                   "search prefers tp 8 x pp 16 x cp 4 without checkpointing under ZB-V or "
-                   "1F1B (nobody measured them); the measured layout without cp needs full AC")
+@pytest.mark.xfail(strict=True, reason="ranked #8 (tp 8, pp 8 interleaved with cp 8): the "
+                   "search prefers tp 8 x pp 16 x cp 4 without checkpointing under zero "
+                   "bubble or ZB-V (nobody measured them); the measured layout without cp needs full AC")
 def test_torchtitan_405b_interleaved_is_in_the_top_3():
     result = autoplan(_pipeline("405B", 256, 8192, hbm_gib=96), 512, top=400)
     place = _rank(result, "tp 8 + sp", "pp 8 interleaved_1f1b")

@@ -163,3 +163,32 @@ def test_each_pipeline_rank_is_priced_with_what_it_holds():
     held, chunks = ranks[1]
     body = [activation_bytes(shape, v, setup, held, chunks, 4, r) for r in (1, 2)]
     assert body[0] - body[1] == pytest.approx(2 * boundary)
+
+
+def test_the_last_stage_keeps_other_micro_batches_logits_only_where_torch_is_asked_to():
+    """shardgraph's runner steps torch's schedules with ``return_outputs=False``
+    (tests/test_apply_pp.py checks that no stage keeps its outputs), so pp's declaration says
+    the last stage keeps none; a schedule that keeps them (torch's default, and torch's
+    schedules before the flag, as torchtitan's published runs used) holds every other
+    micro-batch's logits as well."""
+    from shardgraph.planner.memory import activation_bytes, microbatches, stage_layers
+    from shardgraph.planner.predict import setup_of
+    from shardgraph.planner.shape import model_shape
+    from shardgraph.planner.view import plan_view
+    from shardgraph.train.config import loads_pipeline
+    from shardgraph.train.loop import compile_for
+
+    pipeline = loads_pipeline(
+        '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nhidden_size = 128\n'
+        'intermediate_size = 384\nnum_hidden_layers = 8\nnum_attention_heads = 4\n'
+        'num_key_value_heads = 2\nvocab_size = 1000\n[data]\nseq_len = 256\n[train]\n'
+        'global_batch_size = 16\n[plugins.pp]\nsize = 4\nschedule = "1f1b"\n')
+    shape, v = model_shape(pipeline.model), plan_view(compile_for(pipeline, 4))
+    setup = setup_of(pipeline)
+    assert v.pipeline is not None and not v.pipeline.keeps_outputs
+    keeping = attrs.evolve(v, pipeline=attrs.evolve(v.pipeline, keeps_outputs=True))
+    held, chunks = stage_layers(shape, v)[-1]
+    _, n = microbatches(v, setup)
+    extra = (activation_bytes(shape, keeping, setup, held, chunks, 4, 3)
+             - activation_bytes(shape, v, setup, held, chunks, 4, 3))
+    assert extra == pytest.approx((n - 1) * 256 * 1000 * 4)  # fp32 logits of the others

@@ -55,7 +55,9 @@ class PipelineCost:
     in a V (r and 2 pp - 1 - r); ``forward_first``: every micro-batch's forward runs before any
     backward (GPipe, looped BFS), so all of them are in flight; ``split_backward``: backward is
     split into an input-gradient pass and a weight-gradient pass that the schedule moves into
-    the bubble (zero bubble), keeping what the weight pass needs until it runs. Which numbers
+    the bubble (zero bubble), keeping what the weight pass needs until it runs;
+    ``keeps_outputs``: the last stage keeps every micro-batch's output until the step ends, to
+    return them merged (torch's ``step(return_outputs=True)``, its default). Which numbers
     of micro-batches a schedule accepts stays the plugin's ``check``.
     """
 
@@ -64,6 +66,7 @@ class PipelineCost:
     v_shape: bool = False
     forward_first: bool = False
     split_backward: bool = False
+    keeps_outputs: bool = False
     microbatch_size: int = 1
     layers_per_stage: int | None = None
     #: ``split(n_layers, n_stages, layers_per_stage) -> [range]``: the blocks of each stage

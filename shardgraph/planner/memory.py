@@ -298,9 +298,9 @@ def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         if v.loss_chunk_tokens:  # a chunked loss: one chunk's logits; the output is hidden
             at_once = min(at_once, v.loss_chunk_tokens)
         logits = at_once * vocab * (2 * dtype + 8)
-        if v.pp > 1:
-            # torch's last stage keeps every micro-batch's output (``output_chunks``, merged
-            # and returned when the step ends): the logits of the others stay too
+        if v.pipeline is not None and v.pipeline.keeps_outputs:
+            # a last stage that keeps every micro-batch's output (``output_chunks``, merged
+            # and returned when the step ends) holds the logits of the others too
             out = shape.hidden if v.loss_chunk_tokens else vocab
             logits += (n_micro - 1) * tokens / v.cp * out * dtype
     embed = tokens / v.cp * shape.hidden * dtype if "first" in held else 0.0
