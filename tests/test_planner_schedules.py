@@ -168,9 +168,9 @@ def test_each_pipeline_rank_is_priced_with_what_it_holds():
 def test_the_last_stage_keeps_other_micro_batches_logits_only_where_torch_is_asked_to():
     """shardgraph's runner steps torch's schedules with ``return_outputs=False``
     (tests/test_apply_pp.py checks that no stage keeps its outputs), so pp's declaration says
-    the last stage keeps none; a schedule that keeps them (torch's default, and torch's
-    schedules before the flag, as torchtitan's published runs used) holds every other
-    micro-batch's logits as well."""
+    no stage keeps them; where the last one does (torch's default) it holds every other
+    micro-batch's logits as well, and where every stage does (torch 2.7, as torchtitan's
+    published runs used) each stage its outputs."""
     from shardgraph.planner.memory import activation_bytes, microbatches, stage_layers
     from shardgraph.planner.predict import setup_of
     from shardgraph.planner.shape import model_shape
@@ -185,10 +185,17 @@ def test_the_last_stage_keeps_other_micro_batches_logits_only_where_torch_is_ask
         'global_batch_size = 16\n[plugins.pp]\nsize = 4\nschedule = "1f1b"\n')
     shape, v = model_shape(pipeline.model), plan_view(compile_for(pipeline, 4))
     setup = setup_of(pipeline)
-    assert v.pipeline is not None and not v.pipeline.keeps_outputs
-    keeping = attrs.evolve(v, pipeline=attrs.evolve(v.pipeline, keeps_outputs=True))
-    held, chunks = stage_layers(shape, v)[-1]
+    assert v.pipeline is not None and v.pipeline.keeps_outputs == "none"
     _, n = microbatches(v, setup)
-    extra = (activation_bytes(shape, keeping, setup, held, chunks, 4, 3)
-             - activation_bytes(shape, v, setup, held, chunks, 4, 3))
-    assert extra == pytest.approx((n - 1) * 256 * 1000 * 4)  # fp32 logits of the others
+    ranks = stage_layers(shape, v)
+
+    def extra(rank: int, keeps: str) -> float:
+        keeping = attrs.evolve(v, pipeline=attrs.evolve(v.pipeline, keeps_outputs=keeps))
+        held, chunks = ranks[rank]
+        return (activation_bytes(shape, keeping, setup, held, chunks, 4, rank)
+                - activation_bytes(shape, v, setup, held, chunks, 4, rank))
+
+    logits = (n - 1) * 256 * 1000 * 4  # the fp32 logits of the other micro-batches
+    assert extra(3, "last") == extra(3, "every") == pytest.approx(logits)
+    # torch 2.7 and before: every stage kept its outputs, one sequence's hidden states each
+    assert extra(1, "last") == 0 and extra(1, "every") == pytest.approx(n * 256 * 128 * 4)

@@ -56,8 +56,9 @@ class PipelineCost:
     backward (GPipe, looped BFS), so all of them are in flight; ``split_backward``: backward is
     split into an input-gradient pass and a weight-gradient pass that the schedule moves into
     the bubble (zero bubble), keeping what the weight pass needs until it runs;
-    ``keeps_outputs``: the last stage keeps every micro-batch's output until the step ends, to
-    return them merged (torch's ``step(return_outputs=True)``, its default). Which numbers
+    ``keeps_outputs``: the stages that keep every micro-batch's output until the step ends:
+    ``"none"`` (torch's ``step(return_outputs=False)``), ``"last"`` (its default, to return them
+    merged) or ``"every"`` (torch 2.7 and before kept every stage's). Which numbers
     of micro-batches a schedule accepts stays the plugin's ``check``.
     """
 
@@ -66,7 +67,8 @@ class PipelineCost:
     v_shape: bool = False
     forward_first: bool = False
     split_backward: bool = False
-    keeps_outputs: bool = False
+    keeps_outputs: str = attrs.field(default="none", validator=attrs.validators.in_(
+        ("none", "last", "every")))
     microbatch_size: int = 1
     layers_per_stage: int | None = None
     #: ``split(n_layers, n_stages, layers_per_stage) -> [range]``: the blocks of each stage

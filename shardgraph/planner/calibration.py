@@ -144,9 +144,9 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                                                 "fused_elementwise", "p2p_split_over_tp",
                                                 "pooled_nics", "sac_saves_gathers")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
-    if view.pipeline is not None and r.get("pp_keeps_outputs", src.get("pp_keeps_outputs")):
-        # torch's schedules before return_outputs (2025) kept every micro-batch's output
-        view = attrs.evolve(view, pipeline=attrs.evolve(view.pipeline, keeps_outputs=True))
+    kept = r.get("pp_keeps_outputs", src.get("pp_keeps_outputs"))
+    if view.pipeline is not None and kept:  # the torch of the source kept stages' outputs
+        view = attrs.evolve(view, pipeline=attrs.evolve(view.pipeline, keeps_outputs=kept))
     setup = Setup(seq_len=r["seq_len"], global_batch=r["global_batch"],
                   micro_batch=r.get("micro_batch"), optimizer_states=2)
     memory = r.get("memory_gib")

@@ -298,13 +298,18 @@ def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         if v.loss_chunk_tokens:  # a chunked loss: one chunk's logits; the output is hidden
             at_once = min(at_once, v.loss_chunk_tokens)
         logits = at_once * vocab * (2 * dtype + 8)
-        if v.pipeline is not None and v.pipeline.keeps_outputs:
+        if v.pipeline is not None and v.pipeline.keeps_outputs != "none":
             # a last stage that keeps every micro-batch's output (``output_chunks``, merged
             # and returned when the step ends) holds the logits of the others too
             out = shape.hidden if v.loss_chunk_tokens else vocab
             logits += (n_micro - 1) * tokens / v.cp * out * dtype
     embed = tokens / v.cp * shape.hidden * dtype if "first" in held else 0.0
-    return per_layer * layers, peak_extra + logits + embed
+    outputs = 0.0
+    if v.pipeline is not None and v.pipeline.keeps_outputs == "every":
+        # every other stage keeps each micro-batch's output, the hidden states it sent on
+        outputs = n_micro * (n_stages - ("last" in held)) * boundary_bytes(shape, v, setup,
+                                                                          dtype)
+    return per_layer * layers, peak_extra + logits + embed + outputs
 
 
 def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
@@ -348,10 +353,15 @@ def recv_buffers(shape: ModelShape, v: PlanView, setup: Setup, held: Held, dtype
     too: over by one block's input, the safe side."""
     if v.pp <= 1:
         return 0.0
-    mbs, n_micro = microbatches(v, setup)
-    boundary = mbs * setup.seq_len / v.cp * shape.hidden / (v.tp if v.sp else 1) * dtype
     receiving = 2 * chunks - ("first" in held) - ("last" in held)
-    return n_micro * receiving * boundary
+    return microbatches(v, setup)[1] * receiving * boundary_bytes(shape, v, setup, dtype)
+
+
+def boundary_bytes(shape: ModelShape, v: PlanView, setup: Setup, dtype: int) -> float:
+    """What one micro-batch sends between pipeline stages: its hidden states, split over cp
+    and, under sp, over tp."""
+    mbs = microbatches(v, setup)[0]
+    return mbs * setup.seq_len / v.cp * shape.hidden / (v.tp if v.sp else 1) * dtype
 
 
 def _unsharded(v: PlanView) -> PlanView:
