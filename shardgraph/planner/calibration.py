@@ -252,6 +252,8 @@ def fit_fused_saves() -> float:
     predicted memory of each compiled run of the fit split, over its eager twin's (the same
     run without the compiler), is closest to the measured ratio."""
     pairs = [r for r in rows() if r.split == "fit" and r.eager_twin]
+    if not pairs:  # nothing measured: a compiled block keeps what an eager one keeps
+        return 1.0
     return min(FUSED, key=lambda share: sum(
         abs(math.log(p / m)) for p, m in (fused_ratio(r, share) for r in pairs)))
 
