@@ -256,12 +256,19 @@ def inflight(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> float:
 def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,
                      dtype: int, rank: int = 0) -> float:
     """Activations live at the peak of pp rank ``rank``'s step."""
-    per_micro_batch, fixed = activation_parts(shape, v, setup, held, n_stages, dtype,
-                                              FUSED_SAVES)
+    parts = activation_parts(shape, v, setup, held, n_stages, dtype, FUSED_SAVES)
+    return held_activations(parts, v, microbatches(v, setup)[1], n_stages, rank)
+
+
+def held_activations(parts: tuple[float, float], v: PlanView, n_micro: int, n_stages: int,
+                     rank: int) -> float:
+    """``activation_parts`` on pp rank ``rank``: the blocks' bytes for the micro-batches it
+    keeps in flight, and the rest."""
+    per_micro_batch, fixed = parts
     if v.pp <= 1:
         return per_micro_batch + fixed
     chunks = max(n_stages, 1)
-    return per_micro_batch * inflight(v, microbatches(v, setup)[1], chunks, rank) / chunks + fixed
+    return per_micro_batch * inflight(v, n_micro, chunks, rank) / chunks + fixed
 
 
 def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,

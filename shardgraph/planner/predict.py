@@ -11,8 +11,8 @@ from ..core.errors import PlanError, Violation
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
-from .memory import (FUSED_SAVES, activation_parts, buffer_bytes, inflight, microbatches,
-                     stage_layers, state_bytes)
+from .memory import (FUSED_SAVES, activation_parts, buffer_bytes, held_activations,
+                     microbatches, stage_layers, state_bytes)
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, plan_view
 
@@ -103,10 +103,9 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup,
             seen[held, chunks] = (activation_parts(shape, v, setup, held, chunks, act_dtype,
                                                    fused_saves),
                                   buffer_bytes(shape, v, setup, held, act_dtype, chunks))
-        (per_micro_batch, fixed), buffers = seen[held, chunks]
+        parts, buffers = seen[held, chunks]
         # the rank's own micro-batches in flight (rank r of 1F1B: pp - r)
-        act = fixed + (per_micro_batch * inflight(v, n_micro, chunks, rank) / chunks
-                       if v.pp > 1 else per_micro_batch)
+        act = held_activations(parts, v, n_micro, chunks, rank)
         # what the steps declare: a scale on activations, bytes on every rank
         act, buffers = act * v.activation_scale, buffers + v.memory_bytes
         on_gpu = 0 if v.cpu_offload else st["params"] + st["grads"] + st["optimizer"]
