@@ -357,7 +357,8 @@ def recv_buffers(shape: ModelShape, v: PlanView, setup: Setup, held: Held, dtype
     stage but the first receives and for the gradient each stage but the last receives (a
     micro-batch's hidden states, split over cp and, under sp, over tp). The buffers of the
     micro-batches in flight are also the first block's saved input, counted in activations
-    too: over by one block's input, the safe side."""
+    too: over by one block's input, the safe side. One set, for batches of one length: pp's
+    runner keeps the schedules (and their buffers) of the last 8 lengths it ran."""
     if v.pp <= 1:
         return 0.0
     receiving = 2 * chunks - ("first" in held) - ("last" in held)
