@@ -132,13 +132,9 @@ def test_the_play_finds_a_bubble_the_formula_would_miss():
     assert length / busiest - 1 != pytest.approx(bubble_share(as_if, 8, 2), abs=1e-3)
 
 
-def test_each_pipeline_rank_is_priced_with_what_it_holds():
-    """Rank r of a 1F1B pipeline keeps pp - r micro-batches in flight (the last one, with the
-    LM head, a single one), and every stage keeps torch's receive buffers for all micro-batches:
-    one activation per micro-batch unless it is the first stage, one gradient unless it is the
-    last (``PipelineStage`` allocates them when the schedule first runs)."""
-    from shardgraph.planner.memory import (activation_bytes, microbatches, recv_buffers,
-                                           stage_layers)
+def _pp4_1f1b(vocab: int, extra: str = ""):
+    """(shape, view, setup) of a small Llama (hidden 128, 8 layers, 16 sequences of 256 tokens)
+    under pp 4 with 1F1B, as the planner sees the plan."""
     from shardgraph.planner.predict import setup_of
     from shardgraph.planner.shape import model_shape
     from shardgraph.planner.view import plan_view
@@ -148,11 +144,20 @@ def test_each_pipeline_rank_is_priced_with_what_it_holds():
     pipeline = loads_pipeline(
         '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nhidden_size = 128\n'
         'intermediate_size = 384\nnum_hidden_layers = 8\nnum_attention_heads = 4\n'
-        'num_key_value_heads = 2\nvocab_size = 64\n[data]\nseq_len = 256\n[train]\n'
-        'global_batch_size = 16\n[plugins.activation_checkpointing]\n'
-        '[plugins.pp]\nsize = 4\nschedule = "1f1b"\n')
-    shape, v = model_shape(pipeline.model), plan_view(compile_for(pipeline, 4))
-    setup = setup_of(pipeline)
+        f'num_key_value_heads = 2\nvocab_size = {vocab}\n[data]\nseq_len = 256\n[train]\n'
+        f'global_batch_size = 16\n{extra}[plugins.pp]\nsize = 4\nschedule = "1f1b"\n')
+    return model_shape(pipeline.model), plan_view(compile_for(pipeline, 4)), setup_of(pipeline)
+
+
+def test_each_pipeline_rank_is_priced_with_what_it_holds():
+    """Rank r of a 1F1B pipeline keeps pp - r micro-batches in flight (the last one, with the
+    LM head, a single one), and every stage keeps torch's receive buffers for all micro-batches:
+    one activation per micro-batch unless it is the first stage, one gradient unless it is the
+    last (``PipelineStage`` allocates them when the schedule first runs)."""
+    from shardgraph.planner.memory import (activation_bytes, microbatches, recv_buffers,
+                                           stage_layers)
+
+    shape, v, setup = _pp4_1f1b(vocab=64, extra="[plugins.activation_checkpointing]\n")
     _, n = microbatches(v, setup)
     ranks = stage_layers(shape, v)
     boundary = 256 * 128 * 4  # one sequence's hidden states in fp32
@@ -172,19 +177,8 @@ def test_the_last_stage_keeps_other_micro_batches_logits_only_where_torch_is_ask
     micro-batch's logits as well, and where every stage does (torch 2.7, as torchtitan's
     published runs used) each stage its outputs."""
     from shardgraph.planner.memory import activation_bytes, microbatches, stage_layers
-    from shardgraph.planner.predict import setup_of
-    from shardgraph.planner.shape import model_shape
-    from shardgraph.planner.view import plan_view
-    from shardgraph.train.config import loads_pipeline
-    from shardgraph.train.loop import compile_for
 
-    pipeline = loads_pipeline(
-        '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nhidden_size = 128\n'
-        'intermediate_size = 384\nnum_hidden_layers = 8\nnum_attention_heads = 4\n'
-        'num_key_value_heads = 2\nvocab_size = 1000\n[data]\nseq_len = 256\n[train]\n'
-        'global_batch_size = 16\n[plugins.pp]\nsize = 4\nschedule = "1f1b"\n')
-    shape, v = model_shape(pipeline.model), plan_view(compile_for(pipeline, 4))
-    setup = setup_of(pipeline)
+    shape, v, setup = _pp4_1f1b(vocab=1000)
     assert v.pipeline is not None and v.pipeline.keeps_outputs == "none"
     _, n = microbatches(v, setup)
     ranks = stage_layers(shape, v)
