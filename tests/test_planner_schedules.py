@@ -193,3 +193,15 @@ def test_the_last_stage_keeps_other_micro_batches_logits_only_where_torch_is_ask
     assert extra(3, "last") == extra(3, "every") == pytest.approx(logits)
     # torch 2.7 and before: every stage kept its outputs, one sequence's hidden states each
     assert extra(1, "last") == 0 and extra(1, "every") == pytest.approx(n * 256 * 128 * 4)
+
+
+def test_zero_bubble_fills_nothing_when_only_adapters_train():
+    """Under LoRA the weight-gradient pass computes the adapters' gradients alone: nothing to
+    move into the drain, so looped zero bubble idles as long as the 1F1B of its chunks
+    (interleaved 1F1B: 1F1B's bubble over the chunks per rank)."""
+    one, _ = _view("1f1b", 4, 8, 0.0)
+    zb, v = _view("zero_bubble", 4, 8, 0.0)
+    lora = {"adapter_rank": 16}
+    assert bubble_share(zb, 8, v) < bubble_share(one, 8, 1)
+    assert bubble_share(attrs.evolve(zb, **lora), 8, v) == pytest.approx(
+        bubble_share(attrs.evolve(one, **lora), 8, 1) / v)

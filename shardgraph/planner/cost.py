@@ -230,6 +230,8 @@ def bubble_share(v: PlanView, n_micro: int, chunks: int) -> float:
     - zero bubble (torch's looped ZB-H1 and its ZB-V alike): the weight passes fill the
       drain, up to a forward's worth: ``(pp - 1) (B + max(F - W, 0))``, which is Qi et al.'s
       ``(pp - 1) (F + B - W)`` when the passes take alike;
+    - under LoRA the weight pass is the adapters' alone (about nothing): zero bubble idles as
+      the 1F1B of its chunks (interleaved 1F1B);
     - ZB-V as torch orders it fills the drain so only from ``1.5 pp`` micro-batches on: with
       fewer, ``min(pp - 1, 3 pp - 2 n_micro - 1)`` backward passes more stand idle (at
       ``n_micro = pp`` twice the bubble above).
@@ -240,6 +242,8 @@ def bubble_share(v: PlanView, n_micro: int, chunks: int) -> float:
     >= F``, the planner's.
     """
     f, b, w = pass_times(v)
+    if v.adapter_rank:  # frozen weights (LoRA): no weight gradients to fill the drain with
+        w -= 1.0
     pipe = v.pipeline
     idle = (v.pp - 1) * (b + max(f - w, 0.0) if pipe is not None and pipe.split_backward
                          else f + b + w)
