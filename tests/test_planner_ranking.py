@@ -83,9 +83,10 @@ def test_torchtitan_405b_interleaved_is_in_the_top_3():
 
 @pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks #82: "
                    "without activation checkpointing it does not fit as torch runs it (246 GiB "
-                   "predicted: sp keeps the gathered inputs of the linears, the last stage keeps "
-                   "every micro-batch's logits; the paper's own pipeline frees what torch's "
-                   "keeps), and with it the search prefers tp 8 x pp 32 x cp 4 under ZB-V or "
+                   "predicted on pp rank 1: torch's interleaved table keeps 45 chunks of 4 "
+                   "blocks in flight there, ~1 GiB a block without recompute, sp keeping the "
+                   "gathered inputs of the linears; the paper's own schedule bounds what is in "
+                   "flight), and with it the search prefers tp 8 x pp 32 x cp 4 under ZB-V or "
                    "looped zero bubble, 15% faster (no recompute; nobody measured it)")
 def test_llama3_405b_tp8_pp16_on_8192_gpus():
     """Llama 3 paper Table 4: 405B on 8,192 H100, 16M tokens per batch: TP 8, PP 16, DP 64."""
