@@ -82,6 +82,24 @@ def test_estimate_keys_and_totals():
     assert e["assumptions"]["gpu"]["name"] == "H100-SXM"
 
 
+def test_each_pipeline_rank_is_estimated_and_the_worst_is_reported():
+    """Under pp the estimate carries every pp rank's total; the memory it reports is the
+    largest, on the rank it names (1F1B: rank r keeps pp - r micro-batches in flight, the
+    last rank the loss), and the text shows them all."""
+    from shardgraph.planner.render import render_estimate
+
+    e = est("[plugins.fsdp2]\n[plugins.tp]\nsize = 8\n[plugins.sp]\n"
+            "[plugins.activation_checkpointing]\n[plugins.pp]\nsize = 4\n"
+            "schedule = '1f1b'\n", 512)
+    per_rank = e["memory_bytes_per_pp_rank"]
+    assert len(per_rank) == 4 and per_rank[1] > per_rank[2]  # middle ranks: fewer in flight
+    assert max(per_rank) == per_rank[e["worst_pp_rank"]] == e["memory_bytes_per_rank"]["total"]
+    assert "by pp rank: " + " ".join(f"{b / 2**30:.1f}" for b in per_rank) in \
+        render_estimate(e)
+    assert est("[plugins.fsdp2]\n", 512)["memory_bytes_per_pp_rank"] == [
+        est("[plugins.fsdp2]\n", 512)["memory_bytes_per_rank"]["total"]]
+
+
 def test_what_the_model_must_get_right():
     ac = "[plugins.activation_checkpointing]\n"
     base = "[plugins.fsdp2]\n[plugins.tp]\nsize = 8\n"

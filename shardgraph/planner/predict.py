@@ -94,10 +94,19 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup,
               fused_saves: float = FUSED_SAVES) -> tuple[dict[str, int], int]:
     """The worst pp rank's memory (bytes by kind, and ``total``) and that rank's index
     (``fused_saves``: what a compiled block keeps, for the calibration to try others)."""
+    ranks = rank_memory(shape, v, setup, fused_saves)
+    worst = max(range(len(ranks)), key=lambda i: ranks[i]["total"])
+    return ranks[worst], worst
+
+
+def rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
+                fused_saves: float = FUSED_SAVES) -> list[dict[str, int]]:
+    """Each pp rank's memory, bytes by kind and ``total`` (rank 0 of its other groups)."""
     act_dtype = v.compute_bytes or shape.param_bytes
     states = state_bytes(shape, v, setup)
-    rows, seen = [], {}
+    out, seen = [], {}
     n_micro = microbatches(v, setup)[1]
+    offloaded = v.cpu_offload
     for rank, ((held, chunks), st) in enumerate(zip(stage_layers(shape, v), states)):
         if (held, chunks) not in seen:  # ranks that hold alike are priced once
             seen[held, chunks] = (activation_parts(shape, v, setup, held, chunks, act_dtype,
@@ -108,18 +117,14 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup,
         act = held_activations(parts, v, n_micro, chunks, rank)
         # what the steps declare: a scale on activations, bytes on every rank
         act, buffers = act * v.activation_scale, buffers + v.memory_bytes
-        on_gpu = 0 if v.cpu_offload else st["params"] + st["grads"] + st["optimizer"]
-        rows.append((on_gpu + act + buffers, st, act, buffers))
-    worst = max(range(len(rows)), key=lambda i: rows[i][0])
-    _, st, act, buffers = rows[worst]
-    offloaded = v.cpu_offload
-    memory = {"params": 0 if offloaded else st["params"],
-              "grads": 0 if offloaded else st["grads"],
-              "optimizer": 0 if offloaded else st["optimizer"],
-              "activations": int(act), "buffers": int(buffers),
-              "reserve": int(ALLOCATOR_RESERVE * (act + buffers))}
-    memory["total"] = sum(memory.values())
-    return memory, worst
+        memory = {"params": 0 if offloaded else st["params"],
+                  "grads": 0 if offloaded else st["grads"],
+                  "optimizer": 0 if offloaded else st["optimizer"],
+                  "activations": int(act), "buffers": int(buffers),
+                  "reserve": int(ALLOCATOR_RESERVE * (act + buffers))}
+        memory["total"] = sum(memory.values())
+        out.append(memory)
+    return out
 
 
 def fits(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU) -> bool:
@@ -130,7 +135,9 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
              eff: Efficiency | None = None) -> dict[str, Any]:
     """The estimate of one plan view (no checks): the worst pp rank's memory and the step."""
     eff = eff or Efficiency()
-    memory, worst = memory_of(shape, v, setup)
+    ranks = rank_memory(shape, v, setup)
+    worst = max(range(len(ranks)), key=lambda i: ranks[i]["total"])
+    memory = ranks[worst]
     offloaded = v.cpu_offload
     timing = step_time(shape, v, setup, gpu, eff)
     t = timing["step_time_s"]
@@ -140,6 +147,7 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     return {
         "memory_bytes_per_rank": memory,
         "worst_pp_rank": worst,
+        "memory_bytes_per_pp_rank": [r["total"] for r in ranks],
         "step_time_s": t,
         "breakdown_s": timing["breakdown_s"],
         "tokens_per_s_per_gpu": tokens / t / v.world,

@@ -18,6 +18,9 @@ def memory_lines(est: dict[str, Any]) -> list[str]:
     lines.append(f"  {verdict} in {gpu['name']} ({gpu['hbm_gib']:.0f} GiB, "
                  f"{est['assumptions']['usable_hbm_fraction']:.0%} usable); worst pp rank "
                  f"{est['worst_pp_rank']}")
+    per_rank = est.get("memory_bytes_per_pp_rank", [])
+    if len(per_rank) > 1:
+        lines.append("  by pp rank: " + " ".join(f"{b / GiB:.1f}" for b in per_rank))
     return lines
 
 
