@@ -99,9 +99,10 @@ class Cost:
     balancing: causal attention gives the last chunk the most work).
     ``compute_speedup``: the step's gain on compute time, as a published ratio;
     ``float8_linears``: the blocks' linears run their matmuls in float8 (inputs and weights cast
-    and scaled each pass; the planner prices the gain where the GPU has float8 tensor cores); ``fused_elementwise``: it fuses the norms, activations and residual
-    adds into few kernels (a compiler), whose partitioner keeps less for backward (the
-    planner's fitted share of a block's saved bytes); ``activation_scale``: its effect on activation memory.
+    and scaled each pass; the planner prices the gain where the GPU has float8 tensor cores);
+    ``fused_elementwise``: it fuses the norms, activations and residual adds into few kernels
+    (a compiler), whose partitioner keeps less for backward (the planner's fitted share of a
+    block's saved bytes); ``activation_scale``: its effect on activation memory.
     ``memory_bytes``: memory the step adds on every rank.
     ``loss_chunk_tokens``: the loss holds the logits of at most this many tokens at once, and
     the model's output is the LM head's input (0: the logits of a whole micro-batch).

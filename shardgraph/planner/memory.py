@@ -196,8 +196,9 @@ def selective_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) 
     of a Llama block), attention's output, and the outputs of the collectives inside it (tp's
     two all-reduces, or under sp its two all-gathers and two reduce-scatters; cp's K/V
     all-gather; a policy that recomputes all-gathers and all-reduces,
-    ``PlanView.sac_saves_gathers``, keeps the reduce-scatters' alone). Under tp the row-parallel matmuls (o, down) give a partial sum of the whole
-    hidden size; the column-parallel ones 1 / tp of theirs.
+    ``PlanView.sac_saves_gathers``, keeps the reduce-scatters' alone). Under tp the
+    row-parallel matmuls (o, down) give a partial sum of the whole hidden size; the
+    column-parallel ones 1 / tp of theirs.
     """
     h, t = shape.hidden, v.tp
     kv = shape.kv_heads * shape.head_dim

@@ -95,8 +95,13 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup,
     """The worst pp rank's memory (bytes by kind, and ``total``) and that rank's index
     (``fused_saves``: what a compiled block keeps, for the calibration to try others)."""
     ranks = rank_memory(shape, v, setup, fused_saves)
-    worst = max(range(len(ranks)), key=lambda i: ranks[i]["total"])
+    worst = worst_rank(ranks)
     return ranks[worst], worst
+
+
+def worst_rank(ranks: list[dict[str, int]]) -> int:
+    """The index of the pp rank whose total is the largest."""
+    return max(range(len(ranks)), key=lambda i: ranks[i]["total"])
 
 
 def rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
@@ -136,7 +141,7 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     """The estimate of one plan view (no checks): the worst pp rank's memory and the step."""
     eff = eff or Efficiency()
     ranks = rank_memory(shape, v, setup)
-    worst = max(range(len(ranks)), key=lambda i: ranks[i]["total"])
+    worst = worst_rank(ranks)
     memory = ranks[worst]
     offloaded = v.cpu_offload
     timing = step_time(shape, v, setup, gpu, eff)

@@ -9,9 +9,9 @@ otherwise), sp, pp (stages within the layers) with every schedule and pipeline m
 the pipeline plugin's ``check`` accepts, cp (2 cp dividing the sequence), ep (divisors of the
 experts), activation checkpointing on or off, and the micro-batch size; the user's plugins
 that provide no part of the layout (LoRA, compile, float8, a chunked loss) are kept in every
-candidate, and priced with it. It is walked with
-arithmetic first: a candidate's PlanView is folded from the cost records its plugins declare on
-its layout (cached) and estimated (a fraction of a millisecond), those that do not fit are dropped, and only the best are
+candidate, and priced with it. It is walked with arithmetic first: a candidate's PlanView is
+folded from the cost records its plugins declare on its layout (cached) and estimated (a
+fraction of a millisecond), those that do not fit are dropped, and only the best are
 compiled through the real compiler (``Graph.compile``, with the local batch so the pipeline
 schedule rules run) in ranked order until ``top`` plans compile; a candidate the compiler
 refuses is counted and skipped. Compiling every candidate would cost ~1.4 ms each, seconds
