@@ -159,7 +159,13 @@ def rows() -> tuple[Row, ...]:
     import tomllib
 
     data = tomllib.loads(DATA.read_text())
-    return tuple(_row(r, data["sources"]) for r in data["run"])
+    found = tuple(_row(r, data["sources"]) for r in data["run"])
+    names = {r.name for r in found}
+    unknown = [f"{r.name!r}: eager_twin {r.eager_twin!r}" for r in found
+               if r.eager_twin and r.eager_twin not in names]
+    if unknown:
+        raise ValueError(f"{DATA.name}: a twin names no row ({'; '.join(unknown)})")
+    return found
 
 
 def predict(row: Row, eff: Efficiency) -> dict[str, float]:
