@@ -36,7 +36,10 @@ class Comm:
 
     ``kind = "ring"``: ``axis size - 1`` point-to-point exchanges of the size, each overlapped
     with the attention compute of one chunk (ring attention); only what exceeds that compute is
-    exposed. Every other kind sits on the critical path.
+    exposed. Every other kind sits on the critical path, unless ``beside_matmul`` (it feeds or
+    follows a block's matmuls, as tp's reductions do) and the stack overlaps such collectives
+    with the matmul they meet (``PlanView.matmul_overlap``: torch's async TP, Megatron-Core's
+    userbuffers): then it hides behind that matmul's share of the block.
     """
 
     axis: str  # the mesh axis whose process group carries it
@@ -45,6 +48,7 @@ class Comm:
     forward: int = 0
     backward: int = 0
     per: str = attrs.field(default="layer", validator=attrs.validators.in_(PER))
+    beside_matmul: bool = False
 
 
 @attrs.frozen

@@ -23,7 +23,8 @@ the pipeline bubble.
   only beyond it, the first one always; its reduce-scatter overlaps the last micro-batch's
   backward (gradients are reduced once per step); DDP's all-reduce overlaps backward the
   same way. The collectives the steps declare (``core.costs.Comm``: tp's reductions, cp's K/V,
-  ep's dispatch) sit on the critical path, a ring's behind the attention it feeds. A
+  ep's dispatch) sit on the critical path, a ring's behind the attention it feeds, one beside
+  a matmul behind that matmul where the stack overlaps them (async TP, userbuffers). A
   collective hidden behind compute still costs ``Efficiency.overlap`` of its time (fitted:
   its kernels take SMs and memory bandwidth from the compute it overlaps).
 - Pipeline: the bubble of the schedule's shape (``bubble_share``) and a receive per pass
@@ -318,6 +319,10 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         linears = (linears - head) / eff.float8
     compute = ((linears + head) / e + attention / e_attn) / gpu.peak_flops + memory_bound
     compute /= v.compute_speedup
+    # one block's linears in one forward of one micro-batch: what a collective beside them
+    # can hide behind when the stack overlaps the two
+    block_linears_s = (linears / e / gpu.peak_flops / v.compute_speedup
+                       / max(1, n_micro * passes * held.layers))
     attention_s = attn_flops / (gpu.peak_flops * e_attn)  # one block's forward, one micro-batch
     per_micro = compute / n_micro
     layers = held.layers
@@ -345,9 +350,14 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                           comm_bytes(shape, v, c.size, tokens) * (n - 1 if c.kind == "ring"
                                                                   else 1),
                           v.group_crosses_nodes(c.axis), gpu, eff)
+        behind = 0.0
         if c.kind == "ring":
             # the exchanges hide behind attention on the chunks already received
             behind = attention_s * (n - 1) / n
+        elif c.beside_matmul and v.matmul_overlap and c.per == "layer":
+            # each behind its share of the block's linears (a backward's are twice a forward's)
+            behind = block_linears_s / max(1, c.forward)
+        if behind:
             one = max(0.0, one - behind) + eff.overlap * min(one, behind)
         add(c.axis, one * count)
     # data parallelism

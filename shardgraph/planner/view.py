@@ -76,6 +76,9 @@ class PlanView:
     #: selective checkpointing saves every collective's output (shardgraph's policy); False:
     #: reduce-scatters' only, all-gathers and all-reduces recomputed (torchtitan's policy)
     sac_saves_gathers: bool = True
+    #: collectives beside a matmul (``Comm.beside_matmul``) run behind it (torch's async TP,
+    #: Megatron-Core's userbuffers); False: on the critical path (torch's TP)
+    matmul_overlap: bool = False
 
     @property
     def dp(self) -> int:

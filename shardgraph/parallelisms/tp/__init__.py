@@ -304,9 +304,10 @@ def _retie(model: nn.Module, groups) -> None:
 
 
 def _cost(options: TPOptions, layout) -> Cost:
-    # two reductions of a block's activations forward (attention, MLP) and two backward; the
-    # whole logits gathered on the last stage unless the loss runs on vocabulary shards
-    comms = [Comm("tp", "all_reduce", "activation", forward=2, backward=2)]
+    # two reductions of a block's activations forward (attention, MLP) and two backward, each
+    # beside the linear it feeds or follows; the whole logits gathered on the last stage unless
+    # the loss runs on vocabulary shards
+    comms = [Comm("tp", "all_reduce", "activation", forward=2, backward=2, beside_matmul=True)]
     if not options.loss_parallel:
         comms.append(Comm("tp", "all_gather", "logits", forward=1, per="head"))
     return Cost(loss_parallel=options.loss_parallel, comms=tuple(comms))
