@@ -118,7 +118,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
         "fsdp2" if r["strategy"] == "fully_shard" else "ddp":
             {"defer_fsdp_grad_sync": src.get("defer_grad_sync", True)}
             if r["strategy"] == "fully_shard" else {},
-        "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
+        "mixed_precision": {"param_dtype": "bf16",
+                            "reduce_dtype": src.get("reduce_dtype", "fp32")}}
     if tp > 1:
         plugins["tp"] = {"size": tp, "loss_parallel": r.get("loss_parallel", False)}
     if r.get("sp", False):
@@ -142,7 +143,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     # the software of the source, where it differs from torch's (a row may say otherwise)
     stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",
                                                 "fused_elementwise", "p2p_split_over_tp",
-                                                "pooled_nics", "sac_saves_gathers")}
+                                                "pooled_nics", "sac_saves_gathers",
+                                                "matmul_overlap")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     kept = r.get("pp_keeps_outputs", src.get("pp_keeps_outputs"))
     if view.pipeline is not None and kept:  # the torch of the source kept stages' outputs
