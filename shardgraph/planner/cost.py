@@ -23,12 +23,14 @@ the pipeline bubble.
   only beyond it, the first one always; its reduce-scatter overlaps the last micro-batch's
   backward (gradients are reduced once per step); DDP's all-reduce overlaps backward the
   same way. The collectives the steps declare (``core.costs.Comm``: tp's reductions, cp's K/V,
-  ep's dispatch) sit on the critical path, a ring's behind the attention it feeds, one beside
-  a matmul behind that matmul where the stack overlaps them (async TP, userbuffers). A
+  ep's dispatch) sit on the critical path, a ring's behind the attention it feeds. A
   collective hidden behind compute still costs ``Efficiency.overlap`` of its time (fitted:
-  its kernels take SMs and memory bandwidth from the compute it overlaps).
-- Pipeline: the bubble of the schedule's shape (``bubble_share``) and a receive per pass
-  (``pp_sends``).
+  its kernels take SMs and memory bandwidth from the compute it overlaps); one beside a
+  matmul, where the stack overlaps the two (async TP, userbuffers), ``matmul_overlap``
+  (fitted on a run measured with and without it: the matmul runs in pieces).
+- Pipeline: the bubble of the schedule's shape (``bubble_share``) over a pass's compute and
+  the collectives inside it, and a receive per pass (``pp_sends``; behind the next pass
+  where the stack overlaps them, Megatron's interleaved schedule).
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class Efficiency:
     #: what a second of communication hidden behind compute still costs: the collectives'
     #: kernels take SMs and memory bandwidth from the matmuls they overlap
     overlap: float = 0.0
+    #: what a collective overlapped with the matmul beside it (async TP, userbuffers) still
+    #: costs, as a share of its time: the matmul runs in pieces, each behind a piece of the
+    #: collective
+    matmul_overlap: float = 0.5
     #: the blocks' linears' speed-up in float8 on a GPU with float8 tensor cores (torchao's
     #: casts and scales included)
     float8: float = 1.0
@@ -253,6 +259,12 @@ def bubble_share(v: PlanView, n_micro: int, chunks: int) -> float:
     return idle / (n_micro * chunks * (f + b + w))
 
 
+def _hidden(t: float, behind: float, share: float) -> float:
+    """What a collective of ``t`` seconds costs when it runs behind ``behind`` seconds of
+    compute: what exceeds it, and ``share`` of what hides."""
+    return max(0.0, t - behind) + share * min(t, behind)
+
+
 def pp_sends(v: PlanView, n_micro: int, chunks: int) -> float:
     """Point-to-point transfers on the critical path of one step: a micro-batch's activation
     (forward) and its gradient (backward) cross each of the ``pp v - 1`` stage boundaries in the
@@ -334,7 +346,9 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             exposed[axis] = exposed.get(axis, 0.0) + t
 
     # what the plan's steps declare they send per micro-batch (tp's reductions, cp's K/V,
-    # ep's dispatch), priced on the link their group crosses
+    # ep's dispatch), priced on the link their group crosses: inside the passes, so a
+    # pipeline's bubble idles for them as for the compute
+    in_pass = 0.0
     for c in v.comms:
         n = getattr(v, c.axis, 1) if c.axis in AXIS_SIZES else 1
         if n <= 1:
@@ -350,16 +364,14 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                           comm_bytes(shape, v, c.size, tokens) * (n - 1 if c.kind == "ring"
                                                                   else 1),
                           v.group_crosses_nodes(c.axis), gpu, eff)
-        behind = 0.0
         if c.kind == "ring":
             # the exchanges hide behind attention on the chunks already received
-            behind = attention_s * (n - 1) / n
+            one = _hidden(one, attention_s * (n - 1) / n, eff.overlap)
         elif c.beside_matmul and v.matmul_overlap and c.per == "layer":
             # each behind its share of the block's linears (a backward's are twice a forward's)
-            behind = block_linears_s / max(1, c.forward)
-        if behind:
-            one = max(0.0, one - behind) + eff.overlap * min(one, behind)
+            one = _hidden(one, block_linears_s / max(1, c.forward), eff.matmul_overlap)
         add(c.axis, one * count)
+        in_pass += one * count
     # data parallelism
     whole = attrs.evolve(v, strategy=None)
     if v.strategy in ("fully_shard", "sharded") and v.dp * v.cp > 1:
@@ -409,8 +421,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         ar = _collective("all_reduce", v.dp, grads, v.group_crosses_nodes("dp"), gpu, eff,
                          v.members_per_node("dp"))
         # buckets reduced as backward fills them, the last one after it; or all after it
-        add("dp", max(0.0, ar - bwd_last) + eff.overlap * min(ar, bwd_last)
-            + ar * 25 * 2**20 / max(grads, 1) if v.overlap_grad_reduce else ar)
+        add("dp", _hidden(ar, bwd_last, eff.overlap) + ar * 25 * 2**20 / max(grads, 1)
+            if v.overlap_grad_reduce else ar)
     # pipeline: the bubble and the sends on the critical path
     bubble = 0.0
     if v.pp > 1:
@@ -421,8 +433,10 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         one = _collective("p2p", 2, s, v.group_crosses_nodes("pp"), gpu, eff)
         if v.p2p_split_over_tp and not v.sp and v.tp > 1:  # and gathered again inside the node
             one += _collective("all_gather", v.tp, s * v.tp, False, gpu, eff)
+        if v.overlap_p2p:  # behind the compute of one chunk's forward
+            one = _hidden(one, compute / max(1, n_micro * n_chunks * passes), eff.overlap)
         add("pp", one * pp_sends(v, n_micro, n_chunks))
-        bubble = bubble_share(v, n_micro, n_chunks) * compute
+        bubble = bubble_share(v, n_micro, n_chunks) * (compute + in_pass)
     # optimizer: reads parameters, gradients, states; writes parameters and states
     local = held_numel(shape, held, v) * shape.param_bytes * trainable_share(shape, v)
     states = setup.optimizer_states

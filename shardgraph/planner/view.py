@@ -79,6 +79,9 @@ class PlanView:
     #: collectives beside a matmul (``Comm.beside_matmul``) run behind it (torch's async TP,
     #: Megatron-Core's userbuffers); False: on the critical path (torch's TP)
     matmul_overlap: bool = False
+    #: pipeline sends run behind the next pass's compute (Megatron-Core's overlap_p2p_comm in
+    #: its interleaved schedule); False: each pass waits for its receive (torch's schedules)
+    overlap_p2p: bool = False
 
     @property
     def dp(self) -> int:
