@@ -48,7 +48,7 @@ def _rank(result, *parts: str) -> int | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #516: with 96 GB, the loss on vocabulary "
+@pytest.mark.xfail(strict=True, reason="ranked #505: with 96 GB, the loss on vocabulary "
                    "shards and each pipeline rank holding only what torch's schedule keeps on it "
                    "(no other micro-batch's logits: shardgraph steps with return_outputs=False), "
                    "layouts without activation checkpointing fit (tp 4 x pp 4 x cp 2 under zero "
@@ -81,7 +81,7 @@ def test_torchtitan_405b_interleaved_is_in_the_top_3():
     assert place is not None and place <= 3
 
 
-@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks #82: "
+@pytest.mark.xfail(strict=True, reason="the Llama 3 layout (TP 8, PP 16, no cp) ranks #86: "
                    "without activation checkpointing it does not fit as torch runs it (246 GiB "
                    "predicted on pp rank 1: torch's interleaved table keeps 45 chunks of 4 "
                    "blocks in flight there, ~1 GiB a block without recompute, sp keeping the "

@@ -61,6 +61,9 @@ class Row:
     #: the same run without the compiler (and float8), from the same source: the pair
     #: ``fit_fused_saves`` compares
     eager_twin: str | None = None
+    #: the same run with tp's collectives on the critical path (no async TP), from the same
+    #: source: the pair ``fit_matmul_overlap`` compares
+    overlap_twin: str | None = None
 
     def published_step_s(self) -> float | None:
         """The published figure as the time of one optimizer step."""
@@ -144,7 +147,7 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",
                                                 "fused_elementwise", "p2p_split_over_tp",
                                                 "pooled_nics", "sac_saves_gathers",
-                                                "matmul_overlap")}
+                                                "matmul_overlap", "overlap_p2p")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     kept = r.get("pp_keeps_outputs", src.get("pp_keeps_outputs"))
     if view.pipeline is not None and kept:  # the torch of the source kept stages' outputs
@@ -153,7 +156,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                   micro_batch=r.get("micro_batch"), optimizer_states=2)
     memory = r.get("memory_gib")
     return Row(r["name"], r["source"], r["split"], _shape(r["model"]), view, setup, gpu,
-               r.get("metric"), r.get("value"), memory, r.get("eager_twin"))
+               r.get("metric"), r.get("value"), memory, r.get("eager_twin"),
+               r.get("overlap_twin"))
 
 
 @functools.cache
@@ -163,8 +167,9 @@ def rows() -> tuple[Row, ...]:
     data = tomllib.loads(DATA.read_text())
     found = tuple(_row(r, data["sources"]) for r in data["run"])
     names = {r.name for r in found}
-    unknown = [f"{r.name!r}: eager_twin {r.eager_twin!r}" for r in found
-               if r.eager_twin and r.eager_twin not in names]
+    unknown = [f"{r.name!r}: {key} {twin!r}" for r in found
+               for key, twin in (("eager_twin", r.eager_twin), ("overlap_twin", r.overlap_twin))
+               if twin and twin not in names]
     if unknown:
         raise ValueError(f"{DATA.name}: a twin names no row ({'; '.join(unknown)})")
     return found
@@ -266,6 +271,31 @@ def fit_fused_saves() -> float:
         abs(math.log(p / m)) for p, m in (fused_ratio(r, share) for r in pairs)))
 
 
+#: the shares of an overlapped collective's time ``fit_matmul_overlap`` tries
+MATMUL_OVERLAPS = [round(0.05 * i, 2) for i in range(21)]
+
+
+def overlap_ratio(row: Row, eff: Efficiency) -> tuple[float, float]:
+    """(predicted, measured) step time of a run with tp overlapped with its matmuls, over its
+    twin's with tp exposed."""
+    twin = next(r for r in rows() if r.name == row.overlap_twin)
+    t = [step_time(r.shape, r.view, r.setup, r.gpu, eff)["step_time_s"] for r in (row, twin)]
+    return t[0] / t[1], row.published_step_s() / twin.published_step_s()
+
+
+def fit_matmul_overlap(eff: Efficiency) -> float:
+    """The share of a collective's time that overlapping it with the matmul beside it still
+    costs: the one whose predicted speed-up of each overlapped run of the fit split over its
+    twin without the overlap (the same run otherwise) is closest to the measured one; the
+    other constants ``eff``'s."""
+    pairs = [r for r in rows() if r.split == "fit" and r.overlap_twin]
+    if not pairs:  # nothing measured: an overlapped collective costs what any hidden one does
+        return eff.overlap
+    return min(MATMUL_OVERLAPS, key=lambda share: sum(
+        abs(math.log(p / m)) for p, m in (overlap_ratio(r, attrs.evolve(
+            eff, matmul_overlap=share)) for r in pairs)))
+
+
 def _memory_error(row: Row, reserve: float) -> float:
     m = memory_of(row.shape, row.view, row.setup)[0]
     total = m["total"] - m["reserve"] + reserve * (m["activations"] + m["buffers"])
@@ -285,13 +315,23 @@ def _efficiency(point: dict[str, float], fit_rows: list[Row]) -> tuple[float, Ef
     return loss, Efficiency(tuple(table), attention=tuple(attention), **point)
 
 
+def joint_fit_rows() -> list[Row]:
+    """The fit rows whose step times the ceilings and shared constants are fitted on: every
+    one but an overlapped run of a pair (it fits the overlap's share alone, against its twin;
+    in the joint fit it would count its workload twice)."""
+    return [r for r in rows() if r.split == "fit" and r.metric is not None
+            and not r.overlap_twin]
+
+
 def fit() -> Efficiency:
     """Coordinate search on ``GRID``: from each field's middle value, one field at a time
     takes its best value (each GPU's e_max refitted on its own rows), until a whole pass moves
     none: no grid neighbour of the result does better (``tests/test_planner_validation.py``
     checks it of ``FITTED``)."""
-    fit_rows = [r for r in rows() if r.split == "fit" and r.metric is not None]
+    fit_rows = joint_fit_rows()
     point = {f: GRID[f][len(GRID[f]) // 2] for f in FIELDS}
+    # fitted on its pairs alone (the stored constants' other fields price them)
+    point["matmul_overlap"] = fit_matmul_overlap(FITTED)
     best, eff = _efficiency(point, fit_rows)
     moved = True
     while moved:
@@ -325,7 +365,8 @@ def report(eff: Efficiency = FITTED) -> str:
 
 
 if __name__ == "__main__":
-    print("allocator reserve:", fit_reserve(), "fused saves:", fit_fused_saves())
+    print("allocator reserve:", fit_reserve(), "fused saves:", fit_fused_saves(),
+          "matmul overlap:", fit_matmul_overlap(FITTED))
     found = fit()
     print(found)
     print(report(found))
