@@ -322,13 +322,12 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     # flash attention's backward recomputes the scores: 2.5 forwards' FLOPs, not 2
     attention = attn_flops * held.layers * n_micro * (passes + 0.5 * bool(v.fused_attention)) \
         * v.attention_imbalance
-    linears = rank_flops - attn_flops * held.layers * n_micro * passes
-    head = 0.0
+    head = (head_flops_per_token(shape) * tokens * n_micro * passes / (v.tp * v.cp)
+            if "last" in held else 0.0)
+    linears = rank_flops - attn_flops * held.layers * n_micro * passes - head  # the blocks'
     if v.float8_linears and gpu.fp8:
         # the blocks' linears in float8; the LM head stays in high precision
-        if "last" in held:
-            head = head_flops_per_token(shape) * tokens * n_micro * passes / (v.tp * v.cp)
-        linears = (linears - head) / eff.float8
+        linears /= eff.float8
     compute = ((linears + head) / e + attention / e_attn) / gpu.peak_flops + memory_bound
     compute /= v.compute_speedup
     # one block's linears in one forward of one micro-batch: what a collective beside them
