@@ -54,7 +54,9 @@ def _rank(result, *parts: str) -> int | None:
                    "layouts without activation checkpointing fit (tp 4 x pp 4 x cp 2 under zero "
                    "bubble, ZB-V or 1F1B) and are predicted ~30% faster than the measured FSDP "
                    "32 x TP 8 with full checkpointing (a third less compute, a few % of bubble "
-                   "at 64 micro-batches); nobody measured them")
+                   "at 64 micro-batches); nobody measured them, but NVIDIA tuned that family "
+                   "for this model: Megatron-Bridge's BF16 recipe for Llama 3 70B on 64 H100s "
+                   "is TP 4 x PP 4 x CP 2 (VP 5, llama3_workload_base_configs.py)")
 def test_torchtitan_70b_fsdp_tp_on_256_gpus():
     """torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 4: Llama 3.1 70B on 256
     H100 (96 GB), local batch 16, full AC: FSDP 32 x TP 8."""
