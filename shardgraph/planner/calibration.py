@@ -147,7 +147,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",
                                                 "fused_elementwise", "p2p_split_over_tp",
                                                 "pooled_nics", "sac_saves_gathers",
-                                                "matmul_overlap", "overlap_p2p")}
+                                                "matmul_overlap", "overlap_p2p",
+                                                "fused_loss")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     kept = r.get("pp_keeps_outputs", src.get("pp_keeps_outputs"))
     if view.pipeline is not None and kept:  # the torch of the source kept stages' outputs

@@ -300,12 +300,13 @@ def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
     logits = 0.0
     if "last" in held:
         # the loss's peak, in its backward: the head's logits (compute dtype), cross-entropy's
-        # saved fp32 log-softmax, the fp32 gradient of the logits and its cast back
+        # saved fp32 log-softmax, the fp32 gradient of the logits and its cast back; a compiled
+        # loss keeps the logits and their gradient alone
         vocab = shape.vocab / (v.tp if v.loss_parallel else 1)
         at_once = tokens / v.cp
         if v.loss_chunk_tokens:  # a chunked loss: one chunk's logits; the output is hidden
             at_once = min(at_once, v.loss_chunk_tokens)
-        logits = at_once * vocab * (2 * dtype + 8)
+        logits = at_once * vocab * (2 * dtype + (0 if v.fused_loss else 8))
         if v.pipeline is not None and v.pipeline.keeps_outputs != "none":
             # a last stage that keeps every micro-batch's output (``output_chunks``, merged
             # and returned when the step ends) holds the logits of the others too

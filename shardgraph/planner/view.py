@@ -82,6 +82,10 @@ class PlanView:
     #: pipeline sends run behind the next pass's compute (Megatron-Core's overlap_p2p_comm in
     #: its interleaved schedule); False: each pass waits for its receive (torch's schedules)
     overlap_p2p: bool = False
+    #: the loss compiled (inductor fuses the fp32 upcast, log-softmax and their backward: the
+    #: logits and their gradient stay in the compute dtype; torchtitan since 2025); False: eager
+    #: cross-entropy keeps the fp32 log-softmax and gradient (shardgraph's loss)
+    fused_loss: bool = False
 
     @property
     def dp(self) -> int:
