@@ -3,7 +3,9 @@ the efficiency constants every estimate uses.
 
 ``FITTED`` holds the constants ``fit()`` returns on the rows marked ``split = "fit"``;
 ``tests/test_planner_validation.py`` checks that they are that fit (no grid neighbour does
-better) and reports the error on the ``test`` rows, which the fit never saw.
+better) and reports the error on the ``test`` rows, which the fit never saw. A mechanism a
+source measured on and off in one run (a pair: ``eager_twin``, ``overlap_twin``) is fitted on
+its pair alone: what a compiled block keeps, what an overlapped tp collective still costs.
 
 A row's layout is priced as written in its source, also where shardgraph would lay it out
 otherwise (Megatron's data parallelism is a gradient all-reduce next to tp and pp; shardgraph's
