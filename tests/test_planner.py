@@ -405,12 +405,52 @@ def test_the_search_prices_compile_and_float8_for_the_best_plan():
     cost hooks: fused elementwise work, float8 linears at the fitted speed-up), float8 only on
     GPUs with float8 tensor cores, and neither when the plan already has it."""
     found = autoplan(EIGHT_B, 8, top=2)
-    gains = {s["plugin"]: s["faster_by"] for s in found["software"]}
+    faster = [s for s in found["software"] if "faster_by" in s]
+    gains = {s["plugin"]: s["faster_by"] for s in faster}
     assert set(gains) == {"compile", "float8"} and all(0 < g < 0.6 for g in gains.values())
     assert gains["float8"] > gains["compile"]
-    assert found["software"][-1]["why"].startswith("adding float8 to #1")
+    assert faster[-1]["why"].startswith("adding float8 to #1")
     on_a100 = autoplan(EIGHT_B, 8, top=2, gpu="A100-80GB")
-    assert [s["plugin"] for s in on_a100["software"]] == ["compile"]
+    assert [s["plugin"] for s in on_a100["software"] if "faster_by" in s] == ["compile"]
     compiled = autoplan(EIGHT_B + "[plugins.compile]\n", 8, top=2)
-    assert [s["plugin"] for s in compiled["software"]] == ["float8"]
+    assert [s["plugin"] for s in compiled["software"] if "faster_by" in s] == ["float8"]
     assert compiled["candidates"][0]["step_time_s"] < found["candidates"][0]["step_time_s"]
+
+
+def test_the_search_says_what_a_chunked_loss_would_save():
+    """``plan --auto`` prices a chunked loss for its best plan where it saves a GiB or more
+    per rank: the logits of one chunk at a time instead of a micro-batch's (an eager loss
+    also keeps their fp32 log-softmax and gradient), for one more forward of the LM head (each
+    chunk's logits computed again in backward); not where the plan has it."""
+    found = autoplan(EIGHT_B, 8, top=2)
+    best = found["candidates"][0]
+    chunked = [s for s in found["software"] if s["plugin"] == "chunked_loss"]
+    assert len(chunked) == 1 and "faster_by" not in chunked[0]
+    saved = chunked[0]["saves_bytes"]
+    assert 2**30 <= saved < best["memory_bytes_per_rank"]["total"]
+    slower = chunked[0]["step_time_s"] / best["step_time_s"] - 1
+    assert 0 < slower < 0.05
+    assert f"{saved / 2**30:.1f} GiB less per rank, {slower:.1%} slower" in chunked[0]["why"]
+    kept = autoplan(EIGHT_B + "[plugins.chunked_loss]\n", 8, top=2)
+    assert all(s["plugin"] != "chunked_loss" for s in kept["software"])
+
+
+def test_a_chunked_loss_computes_the_heads_logits_once_more():
+    """The chunked loss's backward recomputes each chunk's logits: its step prices one more
+    forward of the LM head per micro-batch, at the matmuls' efficiency, and nothing else."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import head_flops_per_token, step_time
+    from shardgraph.planner.memory import microbatches
+
+    row = next(r for r in cal.rows() if r.name == "Llama 3.1 8B FSDP 8 H100 (Table 1)")
+    assert row.view.pp == 1 and not row.view.loss_chunk_tokens
+    gpu, eff = row.gpu, cal.FITTED
+    a = step_time(row.shape, row.view, row.setup, gpu, eff)
+    b = step_time(row.shape, attrs.evolve(row.view, loss_chunk_tokens=1024), row.setup, gpu,
+                  eff)
+    mbs, n_micro = microbatches(row.view, row.setup)
+    extra = head_flops_per_token(row.shape) * mbs * row.setup.seq_len * n_micro
+    assert b["breakdown_s"]["compute"] - a["breakdown_s"]["compute"] == pytest.approx(
+        extra / (a["efficiency"] * gpu.peak_flops))

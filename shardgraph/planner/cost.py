@@ -325,6 +325,10 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     head = (head_flops_per_token(shape) * tokens * n_micro * passes / (v.tp * v.cp)
             if "last" in held else 0.0)
     linears = rank_flops - attn_flops * held.layers * n_micro * passes - head  # the blocks'
+    if v.loss_chunk_tokens and "last" in held:
+        # a chunked loss computes each chunk's logits again in backward: one more forward of
+        # the head per micro-batch
+        head += head_flops_per_token(shape) * tokens * n_micro / (v.tp * v.cp)
     if v.float8_linears and gpu.fp8:
         # the blocks' linears in float8; the LM head stays in high precision
         linears /= eff.float8

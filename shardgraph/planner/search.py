@@ -407,24 +407,40 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
 #: and what the plugin that provides it changes
 SOFTWARE = {"compiled_blocks": "its blocks compiled by inductor",
             "float8": "its blocks' linears in float8, whose numerics differ: compare the loss"}
+#: software that saves memory for some speed: priced for the best plan, suggested where it
+#: saves at least ``SAVES_AT_LEAST`` bytes per rank
+MEMORY_SOFTWARE = {"chunked_loss": "its loss computed from the LM head's input, a chunk of "
+                                   "tokens at a time"}
+SAVES_AT_LEAST = 2**30
 
 
 def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any], view,
               shape, setup, chip, eff) -> list[dict[str, Any]]:
     """The best plan's estimate with each of ``SOFTWARE`` the user's plan lacks and the
     registry has, where it is faster and fits (float8 is not, on a GPU without float8 tensor
-    cores): what ``plan --auto`` suggests beyond the layout."""
+    cores), and with each of ``MEMORY_SOFTWARE`` where it saves a GiB or more per rank: what
+    ``plan --auto`` suggests beyond the layout."""
     out = []
-    for capability, what in SOFTWARE.items():
+    layout = cand.layout(view.world, view.gpn)
+    for capability, what in (*SOFTWARE.items(), *MEMORY_SOFTWARE.items()):
         plugin = provider(registry, capability)
         if plugin is None or plugin.name in base.options:
             continue
         added = Base({**base.options, plugin.name: {}}, (*base.kept, plugin.name))
-        layout = cand.layout(view.world, view.gpn)
         cost, unpriced = declared(registry, cand.plugins(added, names), layout)
         est = evaluate(shape, view_of(layout, cost, unpriced), setup, chip, eff)
         gain = 1 - est["step_time_s"] / best["step_time_s"]
-        if est["fits"] and gain > 0:
+        if capability in MEMORY_SOFTWARE:
+            saved = (best["memory_bytes_per_rank"]["total"]
+                     - est["memory_bytes_per_rank"]["total"])
+            if est["fits"] and saved >= SAVES_AT_LEAST:
+                speed = (f"{-gain:.1%} slower" if gain < 0 else f"{gain:.1%} faster"
+                         if gain > 0 else "as fast")
+                out.append({"plugin": plugin.name, "step_time_s": est["step_time_s"],
+                            "saves_bytes": saved,
+                            "why": f"adding {plugin.name} to #1 ({what}): {saved / 2**30:.1f} "
+                            f"GiB less per rank, {speed} per step"})
+        elif est["fits"] and gain > 0:
             out.append({"plugin": plugin.name, "step_time_s": est["step_time_s"],
                         "faster_by": gain,
                         "why": f"adding {plugin.name} to #1 ({what}): {gain:.1%} faster "
