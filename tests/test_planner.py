@@ -454,3 +454,27 @@ def test_a_chunked_loss_computes_the_heads_logits_once_more():
     extra = head_flops_per_token(row.shape) * mbs * row.setup.seq_len * n_micro
     assert b["breakdown_s"]["compute"] - a["breakdown_s"]["compute"] == pytest.approx(
         extra / (a["efficiency"] * gpu.peak_flops))
+
+
+def test_compile_prices_its_compiled_loss():
+    """compile's cost declares the compiled loss (inductor, ``loss`` on): the loss's peak
+    drops by the fp32 copies of the logits, 8 bytes per logit of a micro-batch; not under
+    another backend or with ``loss = false``, and not under a chunked loss (its own)."""
+    def estimate(extra: str):
+        return predict.estimate(loads_pipeline(EIGHT_B + "[plugins.fsdp2]\n" + extra), 8)
+
+    assert "seq_len = 8192" in EIGHT_B and "vocab_size = 128256" in EIGHT_B
+    mbs = estimate("")["micro_batch_size"]
+    logits = mbs * 8192 * 128256  # the micro-batch's logits (no tp in the default plan)
+    found = {}
+    for name, extra in (("inductor", "[plugins.compile]\n"),
+                        ("aot_eager", "[plugins.compile]\nbackend = \"aot_eager\"\n"),
+                        ("no loss", "[plugins.compile]\nloss = false\n")):
+        found[name] = estimate(extra)["memory_bytes_per_rank"]["activations"]
+    assert found["no loss"] - found["inductor"] == pytest.approx(8 * logits)
+    # aot_eager fuses nothing: its blocks keep what eager ones do, its loss the fp32 copies
+    eager = estimate("")["memory_bytes_per_rank"]["activations"]
+    assert found["aot_eager"] == eager > found["no loss"]
+    chunked = "[plugins.chunked_loss]\n"
+    assert estimate(chunked + "[plugins.compile]\n")["memory_bytes_per_rank"] == \
+        estimate(chunked + "[plugins.compile]\nloss = false\n")["memory_bytes_per_rank"]

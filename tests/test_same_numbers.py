@@ -261,9 +261,9 @@ def test_losses_norms_and_parameters_match_one_process(world4, name):
     # nothing for a user to act on: FSDP2's "returned a view tensor" (tp's logits) included
     assert got["warnings"] == [], got["warnings"]
     # a compiled layout ran compiled blocks (one graph per distinct block, a few more where a
-    # graph breaks: ep's expert dispatch runs eagerly), and only those
+    # graph breaks: ep's expert dispatch runs eagerly) and its loss, and only those
     assert (got["graphs"] > 0) == ("compile" in name)
-    assert got["graphs"] <= 4, got["graphs"]
+    assert got["graphs"] <= 5, got["graphs"]
     assert got["copies"] == 0.0  # tied copies (and dp/tp replicas) stay bit-identical
 
 

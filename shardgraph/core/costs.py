@@ -110,6 +110,8 @@ class Cost:
     ``memory_bytes``: memory the step adds on every rank.
     ``loss_chunk_tokens``: the loss holds the logits of at most this many tokens at once, and
     the model's output is the LM head's input (0: the logits of a whole micro-batch).
+    ``fused_loss``: the step's own loss is compiled: its fp32 upcast and log-softmax fuse with
+    their backward, so the logits and their gradient alone are kept (not their fp32 copies).
     ``adapter_rank``: only low-rank adapters of this rank train (LoRA): gradients, their
     reductions and optimizer state exist for them alone, and the frozen linears' backward runs
     no weight-gradient matmul (0: every parameter trains).
@@ -134,6 +136,7 @@ class Cost:
     compute_speedup: float = 1.0
     float8_linears: bool = False
     fused_elementwise: bool = False
+    fused_loss: bool = False
     activation_scale: float = 1.0
     memory_bytes: float = 0.0
     loss_chunk_tokens: int = 0

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.axes import Axis
 from ..core.errors import PlanError, Violation
-from ..core.values import StepRunner, TokenLoss
+from ..core.values import LossCompiler, StepRunner, TokenLoss
 
 if TYPE_CHECKING:
     from ..core.context import MeshContext
@@ -134,10 +134,13 @@ class ParallelModel:
 
     def token_loss(self) -> TokenLoss:
         """The token losses a step sums: the ``loss`` hook's value (asked once; the plan
-        allows one such step), else ``cross_entropy_sum`` of the logits."""
+        allows one such step), else ``cross_entropy_sum`` of the logits, compiled where a
+        step handed a ``LossCompiler`` (capability ``compiled_loss``)."""
         if self._token_loss is None:
             hooks = self._hooks("loss")
-            self._token_loss = cross_entropy_sum
+            compilers = [v for v in self.values.values() if isinstance(v, LossCompiler)]
+            self._token_loss = compilers[0](cross_entropy_sum) if compilers else \
+                cross_entropy_sum
             for step, plugin, inputs in hooks[:1]:
                 self._token_loss = plugin.loss(self.module, step.options, self.ctx, inputs)
         return self._token_loss

@@ -10,6 +10,12 @@ are graph inputs, not constants).
 The step runs after every step that changes what a block computes (tp, sp, cp, ep, pp's
 split, activation checkpointing) and before the data-parallel wrap: its declaration says so,
 through capabilities, and the compiler orders it from that alone.
+
+``loss`` (on by default, as torchtitan compiles its loss): the step's own token loss, the fp32
+cross-entropy of the logits, is compiled too (``compiled_loss``: a ``LossCompiler`` the runtime
+applies where no plugin supplies the loss). Under inductor autograd then keeps the logits alone
+for backward, not their fp32 upcast and log-softmax: 8 bytes per logit less, 16 GiB for an 8B
+model at 16k tokens per micro-batch.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import attrs
 from ..core.blocks import blocks_violation, find_blocks
 from ..core.costs import Cost
 from ..core.errors import Violation, choices_hint, did_you_mean
+from ..core.values import Applied, LossCompiler
 from ..plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -46,6 +53,8 @@ class CompileOptions:
     dynamic: bool | None = None
     #: a torch.compile backend (``torch._dynamo.list_backends()``): inductor, aot_eager, ...
     backend: str = INDUCTOR
+    #: compile the step's own token loss too (the fp32 cross-entropy of the logits)
+    loss: bool = True
 
 
 def _check(options: CompileOptions, layout, settings) -> list[Violation]:
@@ -113,7 +122,10 @@ def _apply(model: nn.Module, options: CompileOptions, ctx: MeshContext, inputs: 
         # An instance attribute: the class's forward, and every other block, stay as they are.
         block.forward = torch.compile(block.forward, **kwargs)
         block.register_forward_pre_hook(_settle_inputs, with_kwargs=True)
-    return model
+    if not options.loss:
+        return model
+    return Applied(model, values={"compiled_loss": LossCompiler(
+        options.backend, options.mode, options.dynamic)})
 
 
 def _settle_inputs(module, args, kwargs):
@@ -133,15 +145,17 @@ def _settle_inputs(module, args, kwargs):
 
 
 def _cost(options: CompileOptions, layout) -> Cost:
-    # inductor fuses each block's norms, activations and residual adds into few kernels
-    return Cost(fused_elementwise=options.backend == INDUCTOR)
+    # inductor fuses each block's norms, activations and residual adds into few kernels, and
+    # the loss's fp32 upcast and log-softmax with their backward
+    inductor = options.backend == INDUCTOR
+    return Cost(fused_elementwise=inductor, fused_loss=inductor and options.loss)
 
 
 PLUGIN = Plugin(
     name="compile",
     kind=Kind.POLICY,
     options=CompileOptions,
-    provides={"compiled_blocks"},
+    provides={"compiled_blocks", "compiled_loss"},
     # everything that rewrites a block first; the data-parallel wrap after
     after={"pipeline_parallel", "float8", "tensor_parallel", "sequence_parallel",
            "context_parallel", "expert_parallel", "activation_checkpointing"},
@@ -150,6 +164,6 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     cost=_cost,
-    doc="torch.compile each transformer block in place (names and checkpoints unchanged); "
-        "options fullgraph, mode, dynamic, backend",
+    doc="torch.compile each transformer block in place (names and checkpoints unchanged), "
+        "and the step's own loss; options fullgraph, mode, dynamic, backend, loss",
 )

@@ -83,8 +83,8 @@ class PlanView:
     #: its interleaved schedule); False: each pass waits for its receive (torch's schedules)
     overlap_p2p: bool = False
     #: the loss compiled (inductor fuses the fp32 upcast, log-softmax and their backward: the
-    #: logits and their gradient stay in the compute dtype; torchtitan since 2025); False: eager
-    #: cross-entropy keeps the fp32 log-softmax and gradient (shardgraph's loss)
+    #: logits and their gradient stay in the compute dtype; compile's ``loss``, torchtitan since
+    #: 2025); False: eager cross-entropy keeps the fp32 log-softmax and gradient
     fused_loss: bool = False
 
     @property
@@ -183,7 +183,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
         loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,
         overlap_grad_reduce=cost.overlap_grad_reduce is not False,
-        fused_elementwise=cost.fused_elementwise)
+        fused_elementwise=cost.fused_elementwise, fused_loss=cost.fused_loss)
 
 
 def plan_view(plan) -> PlanView:
