@@ -389,6 +389,6 @@ def test_a_compiled_loss_keeps_the_logits_in_the_compute_dtype():
         assert gib == pytest.approx(row.memory_gib, rel=0.02), row.name
         eager = memory_of(row.shape, attrs.evolve(row.view, fused_loss=False), row.setup)[0]
         assert eager["total"] / 2**30 > 1.3 * row.memory_gib
-    # shardgraph's own loss is eager (the chunked_loss plugin bounds it instead)
+    # a plan's loss is eager unless its compile step compiles it (tests/test_planner.py)
     from shardgraph.planner.view import PlanView
     assert attrs.fields_dict(PlanView)["fused_loss"].default is False
