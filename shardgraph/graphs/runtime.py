@@ -139,10 +139,13 @@ class ParallelModel:
         if self._token_loss is None:
             hooks = self._hooks("loss")
             compilers = [v for v in self.values.values() if isinstance(v, LossCompiler)]
-            self._token_loss = compilers[0](cross_entropy_sum) if compilers else \
-                cross_entropy_sum
-            for step, plugin, inputs in hooks[:1]:
+            if hooks:
+                step, plugin, inputs = hooks[0]
                 self._token_loss = plugin.loss(self.module, step.options, self.ctx, inputs)
+            elif compilers:
+                self._token_loss = compilers[0](cross_entropy_sum)
+            else:
+                self._token_loss = cross_entropy_sum
         return self._token_loss
 
     def _hooks(self, name: str) -> list[tuple[Any, Any, dict[str, Any]]]:

@@ -306,7 +306,7 @@ def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         at_once = tokens / v.cp
         if v.loss_chunk_tokens:  # a chunked loss: one chunk's logits; the output is hidden
             at_once = min(at_once, v.loss_chunk_tokens)
-        # (a plugin's own loss, the chunked one, is not the compiled one)
+        # (a chunked loss is its own step's, not the compiled one)
         fused = v.fused_loss and not v.loss_chunk_tokens
         logits = at_once * vocab * (2 * dtype + (0 if fused else 8))
         if v.pipeline is not None and v.pipeline.keeps_outputs != "none":

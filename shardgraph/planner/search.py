@@ -405,7 +405,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
 
 #: software the search does not add on its own but prices for the best plan: the capability,
 #: and what the plugin that provides it changes
-SOFTWARE = {"compiled_blocks": "its blocks compiled by inductor",
+SOFTWARE = {"compiled_blocks": "its blocks and loss compiled by inductor",
             "float8": "its blocks' linears in float8, whose numerics differ: compare the loss"}
 #: software that saves memory for some speed: priced for the best plan, suggested where it
 #: saves at least ``SAVES_AT_LEAST`` bytes per rank
