@@ -37,7 +37,7 @@ ROWS: dict[str, tuple[list, dict, str | None, str]] = {
     "full_ac": ([("activation_checkpointing", {})], {}, None, "every block recomputed"),
     "float8_tensorwise": ([("float8", {"recipe": "tensorwise"})], {}, None, "torchao"),
     "float8_rowwise": ([("float8", {"recipe": "rowwise"})], {}, None, "torchao"),
-    "compile": ([("compile", {})], {}, None, "torch.compile per block (inductor)"),
+    "compile": ([("compile", {})], {}, None, "torch.compile per block and of the loss (inductor)"),
     "all": ([("float8", {"recipe": "tensorwise"}), ("activation_checkpointing",
              {"mode": "selective"}), ("compile", {}), ("chunked_loss", {"chunk_size": 2048})],
             {}, None, "compile + float8 + selective AC + chunked loss"),
@@ -48,9 +48,12 @@ ROWS: dict[str, tuple[list, dict, str | None, str]] = {
     "flash_attention_2": ([], {"attn_implementation": "flash_attention_2"}, None,
                           "transformers' flash-attn 2 path"),
     "eager_attention": ([], {"attn_implementation": "eager"}, None, "materialised scores"),
+    "compile_blocks_only": ([("compile", {"loss": False})], {}, None,
+                            "compile without its loss: against 'compile', the compiled loss's "
+                            "peak memory and speed"),
 }
 #: rough seconds a row takes on an H200 (start-up, build, warm-up, steps): the budget check
-COST = {"compile": 150, "all": 170}
+COST = {"compile": 150, "all": 170, "compile_blocks_only": 150}
 DEFAULT_COST = 35
 
 
