@@ -402,14 +402,18 @@ def test_a_plan_every_candidate_of_which_is_refused_says_why():
 
 def test_the_search_prices_compile_and_float8_for_the_best_plan():
     """``plan --auto`` says what compile and float8 would gain on its best plan (from their
-    cost hooks: fused elementwise work, float8 linears at the fitted speed-up), float8 only on
-    GPUs with float8 tensor cores, and neither when the plan already has it."""
+    cost hooks: fused elementwise work and a compiled loss, float8 linears at the fitted
+    speed-up), float8 only on GPUs with float8 tensor cores, and neither when the plan already
+    has it; and the memory a suggestion saves where that is a GiB or more."""
     found = autoplan(EIGHT_B, 8, top=2)
     faster = [s for s in found["software"] if "faster_by" in s]
     gains = {s["plugin"]: s["faster_by"] for s in faster}
     assert set(gains) == {"compile", "float8"} and all(0 < g < 0.6 for g in gains.values())
     assert gains["float8"] > gains["compile"]
     assert faster[-1]["why"].startswith("adding float8 to #1")
+    # compile's blocks keep less and its loss holds no fp32 copy of the logits: it says so
+    compiled_1 = next(s for s in faster if s["plugin"] == "compile")
+    assert compiled_1["saves_bytes"] >= 2**30 and "GiB less per rank" in compiled_1["why"]
     on_a100 = autoplan(EIGHT_B, 8, top=2, gpu="A100-80GB")
     assert [s["plugin"] for s in on_a100["software"] if "faster_by" in s] == ["compile"]
     compiled = autoplan(EIGHT_B + "[plugins.compile]\n", 8, top=2)

@@ -430,9 +430,8 @@ def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any]
         cost, unpriced = declared(registry, cand.plugins(added, names), layout)
         est = evaluate(shape, view_of(layout, cost, unpriced), setup, chip, eff)
         gain = 1 - est["step_time_s"] / best["step_time_s"]
+        saved = best["memory_bytes_per_rank"]["total"] - est["memory_bytes_per_rank"]["total"]
         if capability in MEMORY_SOFTWARE:
-            saved = (best["memory_bytes_per_rank"]["total"]
-                     - est["memory_bytes_per_rank"]["total"])
             if est["fits"] and saved >= SAVES_AT_LEAST:
                 speed = (f"{-gain:.1%} slower" if gain < 0 else f"{gain:.1%} faster"
                          if gain > 0 else "as fast")
@@ -441,10 +440,11 @@ def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any]
                             "why": f"adding {plugin.name} to #1 ({what}): {saved / 2**30:.1f} "
                             f"GiB less per rank, {speed} per step"})
         elif est["fits"] and gain > 0:
+            less = f", {saved / 2**30:.1f} GiB less per rank" if saved >= SAVES_AT_LEAST else ""
             out.append({"plugin": plugin.name, "step_time_s": est["step_time_s"],
-                        "faster_by": gain,
+                        "faster_by": gain, "saves_bytes": max(saved, 0.0),
                         "why": f"adding {plugin.name} to #1 ({what}): {gain:.1%} faster "
-                        "per step"})
+                        f"per step{less}"})
     return out
 
 
