@@ -336,6 +336,12 @@ def test_a_plugin_is_priced_from_its_cost_hook_and_one_without_is_named():
     assert tp(probed) > tp(plain)
     assert plain["assumptions"]["not_priced"] == probed["assumptions"]["not_priced"] == []
     assert both["assumptions"]["not_priced"] == ["mystery"]
+    # a step that overlaps the collectives declared beside a matmul (an async-TP plugin)
+    # hides tp's reductions at the fitted share of their time
+    registry.register(Plugin(name="async_probe", kind=Kind.POLICY, provides={"async_probe"},
+                             apply=apply, cost=lambda options, layout: Cost(matmul_overlap=True)))
+    overlapped = est(plan + "[plugins.async_probe]\n", 512, registry=registry)
+    assert 0 < tp(overlapped) < tp(plain)
     # a cost hook of the wrong shape is refused when the plugin is registered
     wrong = Plugin(name="wrong", kind=Kind.POLICY, apply=apply, cost=lambda options: Cost())
     assert any("cost(options, layout)" in p for p in wrong.problems())

@@ -112,6 +112,9 @@ class Cost:
     the model's output is the LM head's input (0: the logits of a whole micro-batch).
     ``fused_loss``: the step's own loss is compiled: its fp32 upcast and log-softmax fuse with
     their backward, so the logits and their gradient alone are kept (not their fp32 copies).
+    ``matmul_overlap``: the step runs the plan's collectives declared ``beside_matmul`` behind
+    those matmuls (async TP); ``overlap_p2p``: it sends the pipeline's activations and
+    gradients behind the next pass's compute.
     ``adapter_rank``: only low-rank adapters of this rank train (LoRA): gradients, their
     reductions and optimizer state exist for them alone, and the frozen linears' backward runs
     no weight-gradient matmul (0: every parameter trains).
@@ -137,6 +140,8 @@ class Cost:
     float8_linears: bool = False
     fused_elementwise: bool = False
     fused_loss: bool = False
+    matmul_overlap: bool = False
+    overlap_p2p: bool = False
     activation_scale: float = 1.0
     memory_bytes: float = 0.0
     loss_chunk_tokens: int = 0

@@ -371,7 +371,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             # the exchanges hide behind attention on the chunks already received
             one = _hidden(one, attention_s * (n - 1) / n, eff.overlap)
         elif c.beside_matmul and v.matmul_overlap and c.per == "layer":
-            # each behind its share of the block's linears (a backward's are twice a forward's)
+            # each behind its share of one forward of the block's linears (a backward's has
+            # twice as much to hide behind: the safe side)
             one = _hidden(one, block_linears_s / max(1, c.forward), eff.matmul_overlap)
         add(c.axis, one * count)
         in_pass += one * count

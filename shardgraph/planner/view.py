@@ -77,7 +77,8 @@ class PlanView:
     #: reduce-scatters' only, all-gathers and all-reduces recomputed (torchtitan's policy)
     sac_saves_gathers: bool = True
     #: collectives beside a matmul (``Comm.beside_matmul``) run behind it (torch's async TP,
-    #: Megatron-Core's userbuffers); False: on the critical path (torch's TP)
+    #: Megatron-Core's userbuffers: a step's cost or a published source's stack says so);
+    #: False: on the critical path (torch's TP)
     matmul_overlap: bool = False
     #: pipeline sends run behind the next pass's compute (Megatron-Core's overlap_p2p_comm in
     #: its interleaved schedule); False: each pass waits for its receive (torch's schedules)
@@ -183,7 +184,8 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
         loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,
         overlap_grad_reduce=cost.overlap_grad_reduce is not False,
-        fused_elementwise=cost.fused_elementwise, fused_loss=cost.fused_loss)
+        fused_elementwise=cost.fused_elementwise, fused_loss=cost.fused_loss,
+        matmul_overlap=cost.matmul_overlap, overlap_p2p=cost.overlap_p2p)
 
 
 def plan_view(plan) -> PlanView:
