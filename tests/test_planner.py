@@ -488,3 +488,43 @@ def test_compile_prices_its_compiled_loss():
     chunked = "[plugins.chunked_loss]\n"
     assert estimate(chunked + "[plugins.compile]\n")["memory_bytes_per_rank"] == \
         estimate(chunked + "[plugins.compile]\nloss = false\n")["memory_bytes_per_rank"]
+
+
+def test_cp_attention_keeps_its_own_kv_or_the_gathered_whole_as_it_declares():
+    """cp's ``allgather`` attention keeps the K/V it all-gathered for backward: every block
+    without checkpointing keeps the whole sequence's. torch's context_parallel (``ring``)
+    keeps each rank's own and all-gathers inside attention (its default rotation): one
+    block's gathered copy, never live with the loss's logits, counted as the larger of the
+    two. K/V are at the query heads' width where the model repeats them (torchtitan)."""
+    import attrs
+
+    from shardgraph.planner.memory import (activation_parts, gathered_kv_bytes, kv_width,
+                                           stage_layers)
+    from shardgraph.planner.predict import setup_of
+    from shardgraph.planner.shape import model_shape
+    from shardgraph.planner.view import plan_view
+    from shardgraph.train.loop import compile_for
+
+    text = LLAMA_70B.replace("seq_len = 8192", "seq_len = 65536").replace(
+        "global_batch_size = 1024", "global_batch_size = 64")
+    views, parts = {}, {}
+    for attention in ("allgather", "ring"):
+        plan = loads_pipeline(text + f'[plugins.fsdp2]\n[plugins.cp]\nsize = 8\n'
+                              f'attention = "{attention}"\n')
+        views[attention] = v = plan_view(compile_for(plan, 64))
+        shape, setup = model_shape(plan.model), setup_of(plan)
+        held, _ = stage_layers(shape, v)[0]
+        parts[attention] = activation_parts(shape, v, setup, held, 1, 2, 1.0)
+    assert views["allgather"].keeps_gathered_kv and not views["ring"].keeps_gathered_kv
+    v = views["ring"]
+    tokens = 65536  # one sequence per micro-batch, before cp splits it
+    width = kv_width(shape, v)
+    assert width == 2 * 8 * 128  # the shared K/V heads (transformers' SDPA with enable_gqa)
+    # per micro-batch, the blocks keep the whole sequence's K/V under allgather, their own 1/8
+    kept = (parts["allgather"][0] - parts["ring"][0]) / shape.layers
+    assert kept == pytest.approx(2 * width * tokens * (1 - 1 / 8))
+    gathered = gathered_kv_bytes(shape, v, 2, tokens)
+    assert gathered == 2 * width * tokens and gathered_kv_bytes(
+        shape, views["allgather"], 2, tokens) == 0.0
+    # K/V repeated to the query heads: 8 times as wide for a 64-head, 8-KV-head model
+    assert kv_width(shape, attrs.evolve(v, repeat_kv=True)) == 8 * width

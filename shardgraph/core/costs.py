@@ -94,6 +94,10 @@ class Cost:
     ``compute_bytes`` / ``reduce_bytes``: the compute and gradient-reduction dtypes' sizes.
     ``splits_sequence``: activations between blocks are split over tp (sequence parallelism).
     ``splits_context``: every token-wise tensor is split over cp.
+    ``keeps_gathered_kv``: attention under cp keeps the K/V it all-gathered over cp for
+    backward (the whole sequence's on every rank); False: each rank keeps its own K/V and the
+    gathered copy lives inside attention alone (torch's context_parallel, whose default
+    rotation all-gathers them, in forward and again in backward).
     ``recompute``: the share of each block's forward run again in backward (full activation
     checkpointing: 1.0, only the block's input is kept).
     ``saves``: what a recomputed block keeps for backward: ``"input"`` (its input alone) or
@@ -131,6 +135,7 @@ class Cost:
     reduce_bytes: int = 0
     splits_sequence: bool = False
     splits_context: bool = False
+    keeps_gathered_kv: bool = False
     loss_parallel: bool = False
     recompute: float = 0.0
     saves: str = attrs.field(default="input", validator=attrs.validators.in_(

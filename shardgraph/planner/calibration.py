@@ -150,7 +150,7 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                                                 "fused_elementwise", "p2p_split_over_tp",
                                                 "pooled_nics", "sac_saves_gathers",
                                                 "matmul_overlap", "overlap_p2p",
-                                                "fused_loss")}
+                                                "fused_loss", "repeat_kv")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     kept = r.get("pp_keeps_outputs", src.get("pp_keeps_outputs"))
     if view.pipeline is not None and kept:  # the torch of the source kept stages' outputs

@@ -42,7 +42,8 @@ from typing import Any
 import attrs
 
 from .gpus import GPU
-from .memory import EXTRAS, held_numel, microbatches, stage_layers, trainable_share
+from .memory import (EXTRAS, held_numel, kv_width, microbatches, stage_layers,
+                     trainable_share)
 from .shape import ModelShape, layer_kind
 from .view import PlanView, Setup
 
@@ -209,7 +210,7 @@ def comm_bytes(shape: ModelShape, v: PlanView, size: str, tokens: int) -> float:
     if size == "activation":
         return local * shape.hidden * cb
     if size == "kv":
-        return local * 2 * shape.kv_heads * shape.head_dim / v.tp * cb
+        return local * 2 * (shape.heads if v.repeat_kv else shape.kv_heads) * shape.head_dim / v.tp * cb
     if size == "routed":
         return local * shape.top_k * shape.hidden * cb
     return local * shape.vocab * cb  # logits

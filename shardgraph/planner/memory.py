@@ -157,6 +157,21 @@ def microbatches(v: PlanView, setup: Setup) -> tuple[int, int]:
     return mbs, max(local // mbs, 1)
 
 
+def kv_width(shape: ModelShape, v: PlanView) -> float:
+    """K and V's elements per token on a rank: the shared K/V heads, or the query heads where
+    the model repeats K/V before attention (``PlanView.repeat_kv``), split over tp."""
+    return 2 * (shape.heads if v.repeat_kv else shape.kv_heads) * shape.head_dim / v.tp
+
+
+def gathered_kv_bytes(shape: ModelShape, v: PlanView, dtype: int, tokens: float) -> float:
+    """The whole sequence's K/V that cp's attention gathers inside one block and does not
+    keep (``PlanView.keeps_gathered_kv`` False: torch's context_parallel), for a micro-batch
+    of ``tokens`` before cp splits it: one block's, live at the peak besides what it keeps."""
+    if v.cp <= 1 or v.keeps_gathered_kv:
+        return 0.0
+    return dtype * kv_width(shape, v) * tokens
+
+
 def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> float:
     """Bytes a block keeps for backward per token, per rank (flash attention: no s x s scores).
 
@@ -166,11 +181,11 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     q, k, v (h + 2 kv), the attention output (h), and SwiGLU's gate, up, silu(gate) and their
     product (4 f). Tensor parallelism splits everything inside its region; sequence parallelism
     also the norms' inputs (the gathered linear inputs stay whole: torch's SequenceParallel
-    saves the all-gathered tensor). Context parallelism splits every token-wise tensor, but the
-    all-gathered keys and values are kept whole.
+    saves the all-gathered tensor). Context parallelism splits every token-wise tensor; an
+    attention that keeps the K/V it all-gathered (``PlanView.keeps_gathered_kv``) keeps them
+    whole, torch's keeps its own (``gathered_kv_bytes``: the gathered copy).
     """
     h, t = shape.hidden, v.tp
-    kv = shape.kv_heads * shape.head_dim
     q = shape.heads * shape.head_dim
     if shape.is_moe:
         # routed tokens: top_k copies of the token through an expert's SwiGLU, plus the router
@@ -185,8 +200,9 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     norms = 2 * h / (t if v.sp else 1)
     linear_in = 2 * h
     inside = (q + q + 4 * f + f_extra) / t  # q, attention output, the MLP
-    kv_full = 2 * kv / t * v.cp  # K/V all-gathered over cp, kept whole
-    return dtype * ((norms + linear_in + inside) / v.cp + kv_full / v.cp)
+    # K/V: the rank's own, or all-gathered over cp and kept whole
+    kv = kv_width(shape, v) * (v.cp if v.keeps_gathered_kv else 1)
+    return dtype * ((norms + linear_in + inside) / v.cp + kv / v.cp)
 
 
 def selective_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> float:
@@ -217,7 +233,8 @@ def selective_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) 
     if t > 1:  # the collectives' outputs: two all-gathers and two reduce-scatters under sp
         gathers = 2 * h if v.sac_saves_gathers else 0.0
         kept += gathers + 2 * h / t if v.sp else gathers
-    kv_full = 2 * kv / t * v.cp if v.cp > 1 else 0.0  # K/V all-gathered over cp, kept whole
+    # K/V all-gathered over cp and kept whole (torch's context_parallel keeps none)
+    kv_full = kv_width(shape, v) * v.cp if v.cp > 1 and v.keeps_gathered_kv else 0.0
     return dtype * (kept + kv_full) / v.cp
 
 
@@ -320,7 +337,13 @@ def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
         # every other stage keeps each micro-batch's output, the hidden states it sent on
         outputs = n_micro * (n_stages - ("last" in held)) * boundary_bytes(shape, v, setup,
                                                                           dtype)
-    return per_layer * layers, peak_extra + logits + embed + outputs
+    # one block's K/V gathered inside its attention by cp and not kept (torch's
+    # context_parallel, in forward and again in backward), never live with the loss's logits:
+    # the larger of the two counts. (A block's recomputation and the loss are not live at once
+    # either, but their sum is kept: torchtitan's 70B run on 256 H100s measures 18% over their
+    # larger, a fit row of published.toml.)
+    transient = max(logits, gathered_kv_bytes(shape, v, dtype, tokens))
+    return per_layer * layers, peak_extra + transient + embed + outputs
 
 
 def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,

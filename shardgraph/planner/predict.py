@@ -23,7 +23,7 @@ USABLE_HBM = 0.95
 #: are allocated once): blocks cut for one size and free but too small for the next. The
 #: smallest value on ``calibration.RESERVES`` that leaves no ``fit`` row of ``published.toml``
 #: more than 5% under its measured peak (``calibration.fit_reserve``).
-ALLOCATOR_RESERVE = 0.18
+ALLOCATOR_RESERVE = 0.17
 
 
 def setup_of(pipeline) -> Setup:

@@ -87,6 +87,12 @@ class PlanView:
     #: logits and their gradient stay in the compute dtype; compile's ``loss``, torchtitan since
     #: 2025); False: eager cross-entropy keeps the fp32 log-softmax and gradient
     fused_loss: bool = False
+    #: cp's attention keeps the K/V it all-gathered for backward (``Cost.keeps_gathered_kv``)
+    keeps_gathered_kv: bool = False
+    #: the model repeats K/V to the query heads before attention (torchtitan's Llama calls
+    #: SDPA on ``repeat_kv``'s output: K/V kept and exchanged at the query heads' width);
+    #: False: attention reads the shared K/V heads (transformers' SDPA path with ``enable_gqa``)
+    repeat_kv: bool = False
 
     @property
     def dp(self) -> int:
@@ -185,7 +191,8 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,
         overlap_grad_reduce=cost.overlap_grad_reduce is not False,
         fused_elementwise=cost.fused_elementwise, fused_loss=cost.fused_loss,
-        matmul_overlap=cost.matmul_overlap, overlap_p2p=cost.overlap_p2p)
+        matmul_overlap=cost.matmul_overlap, overlap_p2p=cost.overlap_p2p,
+        keeps_gathered_kv=cost.keeps_gathered_kv)
 
 
 def plan_view(plan) -> PlanView:

@@ -223,6 +223,7 @@ def _cost(options: CPOptions, layout) -> Cost:
     # the mean work; the load-balanced split gives every rank an early and a late chunk
     cp = layout.cp
     return Cost(splits_context=True, comms=comms,
+                keeps_gathered_kv=options.attention == "allgather",
                 attention_imbalance=1.0 if options.load_balance else (2 * cp - 1) / cp)
 
 
