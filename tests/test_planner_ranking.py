@@ -2,7 +2,10 @@
 model on one cluster, the layout it measured fastest should be among the first three the search
 ranks (the search also proposes layouts nobody measured, so first place is not asked for).
 Each case names its source (``shardgraph/planner/published.toml`` cites them); the misses are
-kept as strict expected failures that say why, so that fixing one shows."""
+kept as strict expected failures that say why, so that fixing one shows. Megatron-LM 2021's
+sweeps (Figures 12-16, GPT on A100 under that paper's own software) are checked among their
+measured layouts, priced as that source's rows are: the search prices shardgraph's stack and
+models, not Megatron's GPT of 2021."""
 
 from __future__ import annotations
 
@@ -160,3 +163,60 @@ def test_torchs_zero_bubble_with_and_without_checkpointing():
     zb, inter = (_tokens_per_s("8B", 8, 16, 512, small.format(s))
                  for s in ("zero_bubble", "interleaved_1f1b"))
     assert zb > inter
+
+
+# --- Megatron-LM 2021's layout sweeps (published.toml [[sweep]]: the orderings its text states) --
+_M21_DP = ("the data-parallel all-reduce that decides small batches is priced as this source's "
+           "rows are, at one 200 Gb/s NIC per GPU and in fp32 (pooled_nics = false, fitted on "
+           "Table 1), where the 2021 code all-reduced fp16 gradients (--fp16 without "
+           "--accumulate-allreduce-grads-in-fp32) over a node's 8 NICs: priced so, with "
+           "DeepSpeed's ZeRO-3 rows kept at one NIC, every ordering of Figures 14 and 15 holds, "
+           "but the joint fit moves comm efficiency to 0.8 and the held-out MAPE from 5.4% to 5.9%")
+_SWEEP_MISSES = {
+    "Figure 14: GPT 5.9B on 64 A100, pipeline x data parallelism, batch 32":
+        "pp 8 predicted fastest, pp 2 measured: " + _M21_DP,
+    "Figure 15: GPT 5.9B on 64 A100, tensor x data parallelism, batch 32":
+        "tp 8 predicted fastest, tp 2 measured: " + _M21_DP,
+    "Figure 15: GPT 5.9B on 64 A100, tensor x data parallelism, batch 128":
+        "tp 4 predicted fastest, tp 2 measured: " + _M21_DP,
+    "Figure 16: GPT 91B on 64 A100, (t, p) = (8, 8), micro-batch size, batch 512":
+        "micro-batch 4 predicted 1% faster than 2: the fitted intensity curve (x0 = 400) gives "
+        "this model's 4096-token matmuls 4% less than 8192-token ones, more than the bubble the "
+        "larger micro-batch adds (7 / 128 against 7 / 256 of a step)",
+}
+
+
+def _sweep_cases():
+    from shardgraph.planner.calibration import sweeps
+
+    for sw in sweeps():
+        reason = _SWEEP_MISSES.get(sw.name)
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        yield pytest.param(sw, id=sw.name.split(":")[0].replace(" ", "") + f"-b{sw.global_batch}",
+                           marks=marks)
+
+
+@pytest.mark.parametrize("sweep", list(_sweep_cases()))
+def test_megatron_2021_sweeps_are_ordered_as_measured(sweep):
+    """Narayanan et al. 2021, Figures 12-16: layouts of one GPT on 64 or 96 A100 measured side
+    by side (tensor x pipeline, pipeline x data, tensor x data parallelism, the micro-batch
+    size, interleaving), each priced as that source's rows are. The layout its text says is
+    fastest is predicted fastest, and where the text says throughput falls along the sweep, the
+    predicted throughput falls too."""
+    speed = sweep.predicted_throughput()
+    fastest = max(range(len(speed)), key=speed.__getitem__)
+    assert sweep.labels[fastest] == sweep.labels[sweep.fastest], (sweep.stated, speed)
+    if sweep.decreasing:
+        assert all(a > b for a, b in zip(speed, speed[1:])), (sweep.stated, speed)
+
+
+def test_megatron_2021_interleaving_gains_less_as_the_batch_grows():
+    """Figure 12 (GPT-3 175B, 96 A100, t 8 x p 12): the interleaved schedule's gain over the
+    default one closes as the batch grows (the bubble shrinks with more micro-batches, and
+    interleaving sends more per sample); predicted: 1.54x at batch 12 down to 1.1x at 60."""
+    from shardgraph.planner.calibration import sweeps
+
+    fig12 = [s for s in sweeps() if s.name.startswith("Figure 12")]
+    assert [s.global_batch for s in fig12] == [12, 24, 36, 48, 60]
+    gains = [a / b for a, b in (s.predicted_throughput() for s in fig12)]
+    assert all(g > 1 for g in gains) and all(a > b for a, b in zip(gains, gains[1:])), gains

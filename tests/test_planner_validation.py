@@ -39,6 +39,10 @@ def test_every_row_is_cited_and_split():
     splits = [r["split"] for r in data["run"]]
     assert set(splits) == {"fit", "test"} and splits.count("test") >= 10
     assert all(r["source"] in data["sources"] for r in data["run"])
+    # the sweeps (tests/test_planner_ranking.py): cited through their source, with the script
+    # that ran them and what the source says of their order
+    assert data["sweep"] and all(s["source"] in data["sources"] and s["script"] and s["stated"]
+                                 and 0 <= s["fastest"] < len(s["layouts"]) for s in data["sweep"])
 
 
 def test_fitted_constants_are_the_fit():

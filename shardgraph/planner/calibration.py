@@ -299,6 +299,56 @@ def fit_matmul_overlap(eff: Efficiency) -> float:
             eff, matmul_overlap=share)) for r in pairs)))
 
 
+@attrs.frozen
+class Sweep:
+    """Layouts of one model on one cluster at one batch size, measured side by side by one
+    source (``published.toml``'s ``[[sweep]]``): no values, the ordering its text states."""
+
+    name: str
+    source: str
+    global_batch: int
+    labels: tuple[str, ...]
+    rows: tuple[Row, ...]
+    #: the index of the layout the source measured fastest
+    fastest: int
+    #: the source says throughput falls along the layouts
+    decreasing: bool
+    stated: str
+
+    def predicted_throughput(self, eff: Efficiency = FITTED) -> list[float]:
+        """Each layout's predicted tokens per second per GPU, in the sweep's order."""
+        return [r.setup.global_batch * r.setup.seq_len / step_time(
+            r.shape, r.view, r.setup, r.gpu, eff)["step_time_s"] / r.view.world for r in self.rows]
+
+
+def _label(layout: dict[str, Any]) -> str:
+    words = [f"{k.replace('_', ' ')} {layout[k]}" for k in ("tp", "pp", "micro_batch")
+             if k in layout]
+    return ", ".join(words + [layout["schedule"]] if "schedule" in layout else words)
+
+
+@functools.cache
+def sweeps() -> tuple[Sweep, ...]:
+    """Every ``[[sweep]]`` of ``published.toml``, one per batch size it was measured at; each
+    layout priced as a row of its source is (its software stack, its GPU)."""
+    import tomllib
+
+    data = tomllib.loads(DATA.read_text())
+    keys = ("model", "world", "seq_len", "ac", "strategy", "micro_batch", "schedule")
+    out = []
+    for sw in data.get("sweep", []):
+        for batch in sw["global_batch"]:
+            rows_ = tuple(_row({**{k: sw[k] for k in keys if k in sw}, **layout,
+                                "name": f"{sw['name']}: {_label(layout)}, batch {batch}",
+                                "source": sw["source"], "split": "sweep",
+                                "global_batch": batch}, data["sources"])
+                          for layout in sw["layouts"])
+            out.append(Sweep(f"{sw['name']}, batch {batch}", sw["source"], batch,
+                             tuple(_label(x) for x in sw["layouts"]), rows_, sw["fastest"],
+                             sw.get("decreasing", False), sw["stated"]))
+    return tuple(out)
+
+
 def _memory_error(row: Row, reserve: float) -> float:
     m = memory_of(row.shape, row.view, row.setup)[0]
     total = m["total"] - m["reserve"] + reserve * (m["activations"] + m["buffers"])
