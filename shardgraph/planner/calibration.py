@@ -14,6 +14,7 @@ ddp takes no model parallelism): the cost model prices capabilities, not plugins
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from pathlib import Path
@@ -209,13 +210,22 @@ def mape(found: list[dict[str, Any]], key: str) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
+def _weights(fit_rows: list[Row]) -> list[float]:
+    """Each row's weight in the fit: every source one voice, shared by its rows (a paper with
+    ten rows of one stack does not outvote a benchmark page with two of another)."""
+    counts = collections.Counter(r.source for r in joint_fit_rows())
+    return [1.0 / counts.get(r.source, 1) for r in fit_rows]
+
+
 def _loss(eff: Efficiency, fit_rows: list[Row]) -> float:
-    """Mean absolute log error of step time (symmetric in over- and under-prediction)."""
+    """Mean absolute log error of step time (symmetric in over- and under-prediction), each
+    row weighted by ``_weights``."""
     total = 0.0
-    for row in fit_rows:
+    weights = _weights(fit_rows)
+    for row, w in zip(fit_rows, weights):
         t = step_time(row.shape, row.view, row.setup, row.gpu, eff)["step_time_s"]
-        total += abs(math.log(t / row.published_step_s()))
-    return total / len(fit_rows)
+        total += w * abs(math.log(t / row.published_step_s()))
+    return total / sum(weights)
 
 
 def _best_ceiling(g: str, mine: list[Row], fields: dict[str, float]) -> tuple[float, float,
@@ -364,7 +374,7 @@ def _efficiency(point: dict[str, float], fit_rows: list[Row]) -> tuple[float, Ef
         lo, e, a = _best_ceiling(g, mine, point)
         table.append((g, e))
         attention.append((g, a))
-        loss += lo * len(mine)
+        loss += lo * sum(_weights(mine))
     return loss, Efficiency(tuple(table), attention=tuple(attention), **point)
 
 
