@@ -266,6 +266,19 @@ def test_torch_context_parallel_keeps_its_own_kv_and_gathers_the_whole_inside_at
     assert shared["total"] / 2**30 / last.memory_gib - 1 < cal.UNDER
 
 
+def test_what_megatron_ran_fits_on_its_a100s():
+    """Megatron-LM 2021's PTD-P runs (Tables 1 and 2, and the 53 layouts of its Figures 12-16)
+    all ran on 80 GB A100s: the planner says each fits (at most 63 GiB). Its pipelines receive
+    into the stage's input (no buffer per micro-batch kept, unlike torch's stages): priced with
+    torch's buffers, its 530B on 560 GPUs (1,120 micro-batches of one sequence) needed 655 GiB."""
+    from shardgraph.planner.predict import fits
+
+    ran = [r for r in cal.rows() if r.source == "megatron2021" and "ZeRO" not in r.name]
+    ran += [r for sweep in cal.sweeps() for r in sweep.rows]
+    assert len(ran) >= 60 and all(not r.view.pipeline.recv_buffers for r in ran if r.view.pp > 1)
+    assert [r.name for r in ran if not fits(r.shape, r.view, r.setup, r.gpu)] == []
+
+
 def test_what_torchtitan_ran_on_its_h100s_fits():
     """torchtitan's benchmark runs on its 96 GB H100s (8B to 405B, FSDP to 4D, 8k to 256k
     tokens) all ran: the planner says each fits, as ``plan --auto`` would keep it (the nearest,

@@ -62,7 +62,9 @@ class PipelineCost:
     the bubble (zero bubble), keeping what the weight pass needs until it runs;
     ``keeps_outputs``: the stages that keep every micro-batch's output until the step ends:
     ``"none"`` (torch's ``step(return_outputs=False)``), ``"last"`` (its default, to return them
-    merged) or ``"every"`` (torch 2.7 and before kept every stage's). Which numbers
+    merged) or ``"every"`` (torch 2.7 and before kept every stage's); ``recv_buffers``: each
+    stage keeps a receive buffer per micro-batch (torch's ``PipelineStage``); False: a receive
+    lands in the tensor that becomes the stage's input (Megatron's p2p), nothing kept beside. Which numbers
     of micro-batches a schedule accepts stays the plugin's ``check``.
     """
 
@@ -73,6 +75,7 @@ class PipelineCost:
     split_backward: bool = False
     keeps_outputs: str = attrs.field(default="none", validator=attrs.validators.in_(
         ("none", "last", "every")))
+    recv_buffers: bool = True
     microbatch_size: int = 1
     layers_per_stage: int | None = None
     #: ``split(n_layers, n_stages, layers_per_stage) -> [range]``: the blocks of each stage

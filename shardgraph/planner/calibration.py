@@ -156,6 +156,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     kept = r.get("pp_keeps_outputs", src.get("pp_keeps_outputs"))
     if view.pipeline is not None and kept:  # the torch of the source kept stages' outputs
         view = attrs.evolve(view, pipeline=attrs.evolve(view.pipeline, keeps_outputs=kept))
+    if view.pipeline is not None and src.get("pp_recv_buffers") is False:  # not torch's stages
+        view = attrs.evolve(view, pipeline=attrs.evolve(view.pipeline, recv_buffers=False))
     setup = Setup(seq_len=r["seq_len"], global_batch=r["global_batch"],
                   micro_batch=r.get("micro_batch"), optimizer_states=2)
     memory = r.get("memory_gib")

@@ -386,7 +386,7 @@ def recv_buffers(shape: ModelShape, v: PlanView, setup: Setup, held: Held, dtype
     micro-batches in flight are also the first block's saved input, counted in activations
     too: over by one block's input, the safe side. One set, for batches of one length: pp's
     runner keeps the schedules (and their buffers) of the last 8 lengths it ran."""
-    if v.pp <= 1:
+    if v.pp <= 1 or (v.pipeline is not None and not v.pipeline.recv_buffers):
         return 0.0
     receiving = 2 * chunks - ("first" in held) - ("last" in held)
     return microbatches(v, setup)[1] * receiving * boundary_bytes(shape, v, setup, dtype)
