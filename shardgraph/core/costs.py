@@ -64,8 +64,8 @@ class PipelineCost:
     ``"none"`` (torch's ``step(return_outputs=False)``), ``"last"`` (its default, to return them
     merged) or ``"every"`` (torch 2.7 and before kept every stage's); ``recv_buffers``: each
     stage keeps a receive buffer per micro-batch (torch's ``PipelineStage``); False: a receive
-    lands in the tensor that becomes the stage's input (Megatron's p2p), nothing kept beside. Which numbers
-    of micro-batches a schedule accepts stays the plugin's ``check``.
+    lands in the tensor that becomes the stage's input (Megatron's p2p), nothing kept beside.
+    Which numbers of micro-batches a schedule accepts stays the plugin's ``check``.
     """
 
     schedule: str  # the torch class, for display

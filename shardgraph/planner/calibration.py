@@ -329,8 +329,8 @@ class Sweep:
 
     def predicted_throughput(self, eff: Efficiency = FITTED) -> list[float]:
         """Each layout's predicted tokens per second per GPU, in the sweep's order."""
-        return [r.setup.global_batch * r.setup.seq_len / step_time(
-            r.shape, r.view, r.setup, r.gpu, eff)["step_time_s"] / r.view.world for r in self.rows]
+        return [r.setup.global_batch * r.setup.seq_len / r.view.world / step_time(
+            r.shape, r.view, r.setup, r.gpu, eff)["step_time_s"] for r in self.rows]
 
 
 def _label(layout: dict[str, Any]) -> str:

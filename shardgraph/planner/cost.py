@@ -210,7 +210,7 @@ def comm_bytes(shape: ModelShape, v: PlanView, size: str, tokens: int) -> float:
     if size == "activation":
         return local * shape.hidden * cb
     if size == "kv":
-        return local * 2 * (shape.heads if v.repeat_kv else shape.kv_heads) * shape.head_dim / v.tp * cb
+        return local * kv_width(shape, v) * cb
     if size == "routed":
         return local * shape.top_k * shape.hidden * cb
     return local * shape.vocab * cb  # logits
