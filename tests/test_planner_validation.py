@@ -209,8 +209,9 @@ def test_the_error_does_not_grow_with_the_pipeline_depth():
 def test_each_schedule_family_against_its_published_pipelines():
     """Every published pipeline row, by the torch schedule it is priced as: 1F1B (torchtitan's
     405B Tables 5 and 6, pp 8, 8 micro-batches; Megatron-LM 2021 at pp 2 and 64) and
-    interleaved 1F1B (Megatron-LM 2021 at pp 4 to 35, torchtitan's Table 5, the Llama 3 paper's pp 16, Megatron-Bridge's pp 8 with 5 and 8
-    chunks): each row within 15%, each family's mean within 8%. Measured: 1F1B -11.5% to +8.8%
+    interleaved 1F1B (Megatron-LM 2021 at pp 4 to 35, torchtitan's Table 5, the Llama 3
+    paper's pp 16, Megatron-Bridge's pp 8 with 5 and 8 chunks): each row within 15%, each
+    family's mean within 8%. Measured: 1F1B -11.5% to +8.8%
     (mean +0.3%), interleaved -12.7% to +13.0% (mean +1.3%)."""
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     families: dict[str, list[float]] = {}
