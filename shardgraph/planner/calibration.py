@@ -153,11 +153,13 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                                                 "matmul_overlap", "overlap_p2p",
                                                 "fused_loss", "repeat_kv")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
-    kept = r.get("pp_keeps_outputs", src.get("pp_keeps_outputs"))
-    if view.pipeline is not None and kept:  # the torch of the source kept stages' outputs
-        view = attrs.evolve(view, pipeline=attrs.evolve(view.pipeline, keeps_outputs=kept))
-    if view.pipeline is not None and src.get("pp_recv_buffers") is False:  # not torch's stages
-        view = attrs.evolve(view, pipeline=attrs.evolve(view.pipeline, recv_buffers=False))
+    # the pipeline of the source, where it differs from torch's: the stages' outputs its torch
+    # kept (pp_keeps_outputs), no receive buffer per micro-batch (pp_recv_buffers, Megatron's)
+    pipe = {f: r.get(k, src.get(k)) for k, f in (("pp_keeps_outputs", "keeps_outputs"),
+                                                 ("pp_recv_buffers", "recv_buffers"))}
+    if view.pipeline is not None and any(v is not None for v in pipe.values()):
+        view = attrs.evolve(view, pipeline=attrs.evolve(
+            view.pipeline, **{f: v for f, v in pipe.items() if v is not None}))
     setup = Setup(seq_len=r["seq_len"], global_batch=r["global_batch"],
                   micro_batch=r.get("micro_batch"), optimizer_states=2)
     memory = r.get("memory_gib")
@@ -167,10 +169,15 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
 
 
 @functools.cache
-def rows() -> tuple[Row, ...]:
+def _data() -> dict[str, Any]:
     import tomllib
 
-    data = tomllib.loads(DATA.read_text())
+    return tomllib.loads(DATA.read_text())
+
+
+@functools.cache
+def rows() -> tuple[Row, ...]:
+    data = _data()
     found = tuple(_row(r, data["sources"]) for r in data["run"])
     names = {r.name for r in found}
     unknown = [f"{r.name!r}: {key} {twin!r}" for r in found
@@ -215,8 +222,13 @@ def mape(found: list[dict[str, Any]], key: str) -> float:
 def _weights(fit_rows: list[Row]) -> list[float]:
     """Each row's weight in the fit: every source one voice, shared by its rows (a paper with
     ten rows of one stack does not outvote a benchmark page with two of another)."""
-    counts = collections.Counter(r.source for r in joint_fit_rows())
+    counts = _fit_rows_per_source()
     return [1.0 / counts.get(r.source, 1) for r in fit_rows]
+
+
+@functools.cache
+def _fit_rows_per_source() -> collections.Counter:
+    return collections.Counter(r.source for r in joint_fit_rows())
 
 
 def _loss(eff: Efficiency, fit_rows: list[Row]) -> float:
@@ -343,9 +355,7 @@ def _label(layout: dict[str, Any]) -> str:
 def sweeps() -> tuple[Sweep, ...]:
     """Every ``[[sweep]]`` of ``published.toml``, one per batch size it was measured at; each
     layout priced as a row of its source is (its software stack, its GPU)."""
-    import tomllib
-
-    data = tomllib.loads(DATA.read_text())
+    data = _data()
     keys = ("model", "world", "seq_len", "ac", "strategy", "micro_batch", "schedule")
     out = []
     for sw in data.get("sweep", []):
