@@ -528,3 +528,34 @@ def test_cp_attention_keeps_its_own_kv_or_the_gathered_whole_as_it_declares():
         shape, views["allgather"], 2, tokens) == 0.0
     # K/V repeated to the query heads: 8 times as wide for a 64-head, 8-KV-head model
     assert kv_width(shape, attrs.evolve(v, repeat_kv=True)) == 8 * width
+
+
+def test_materialised_attention_computes_the_whole_square():
+    """Attention that materialises its scores (Megatron-LM 2021's baddbmm, softmax and bmm;
+    no flash attention) computes the whole s x s square and masks it after: twice a causal
+    flash attention's forward FLOPs in every pass, and it reads and writes the scores; flash
+    attention skips the masked half but computes the scores again in backward."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import elementwise_bytes, pass_times, step_time
+    from shardgraph.planner.memory import microbatches
+
+    row = next(r for r in cal.rows() if r.name == "GPT 1.7B t1 p1 32 GPUs")
+    shape, v, setup, gpu, eff = row.shape, row.view, row.setup, row.gpu, cal.FITTED
+    assert not v.fused_attention and eff.attention_share(gpu.name) == 1.0
+    unfused = step_time(shape, v, setup, gpu, eff)
+    flash = step_time(shape, attrs.evolve(v, fused_attention=True), setup, gpu, eff)
+    mbs, n_micro = microbatches(v, setup)
+    seq, passes = setup.seq_len, sum(pass_times(v))
+    tokens = mbs * seq * n_micro * shape.layers / (v.tp * v.cp)
+    causal = 2 * seq * shape.heads * shape.head_dim * tokens  # one forward, the half square
+    scores = eff.elementwise * tokens * passes * (
+        elementwise_bytes(shape, v, seq, "dense", eff.eager)
+        - elementwise_bytes(shape, attrs.evolve(v, fused_attention=True), seq, "dense",
+                            eff.eager)) / gpu.hbm_bw
+    assert unfused["efficiency"] == flash["efficiency"]
+    extra = (2 * causal * passes - causal * (passes + 0.5)) / (
+        unfused["efficiency"] * gpu.peak_flops) + scores
+    assert unfused["breakdown_s"]["compute"] - flash["breakdown_s"]["compute"] == \
+        pytest.approx(extra)

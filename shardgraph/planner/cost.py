@@ -9,7 +9,8 @@ the pipeline bubble.
   each linear's arithmetic intensity on one rank, ``x = 1 / (1/m + 1/k + 1/n)`` for its
   (tokens, input, output) after tp and cp split them: ``eff = e_max * x / (x + x0)``, fitted.
   Flash attention runs at a share of that fitted per GPU (its backward recomputes the scores:
-  2.5 forwards); float8 linears (the blocks', not the head) at a fitted speed-up on GPUs with
+  2.5 forwards); attention that materialises the scores (no flash attention) computes the
+  whole square, masked after: twice the causal FLOPs, at the linears' efficiency; float8 linears (the blocks', not the head) at a fitted speed-up on GPUs with
   float8 tensor cores. Frozen weights (LoRA) skip their weight-gradient matmuls.
 - Collectives, alpha-beta: ``latency * steps + traffic / (link bandwidth * comm_eff)``
   (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block;
@@ -320,9 +321,10 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     # attention's own kernel (flash attention) reaches ``Efficiency.attention`` of the
     # linears' efficiency; materialised scores are batched matmuls priced as the linears
     e_attn = e * (eff.attention_share(gpu.name) if v.fused_attention else 1.0)
-    # flash attention's backward recomputes the scores: 2.5 forwards' FLOPs, not 2
-    attention = attn_flops * held.layers * n_micro * (passes + 0.5 * bool(v.fused_attention)) \
-        * v.attention_imbalance
+    # flash attention's backward recomputes the scores: 2.5 forwards' FLOPs, not 2; the
+    # materialised scores are the whole square (baddbmm, then the causal mask): twice causal's
+    attention = attn_flops * held.layers * n_micro * v.attention_imbalance * (
+        passes + 0.5 if v.fused_attention else 2 * passes)
     head = (head_flops_per_token(shape) * tokens * n_micro * passes / (v.tp * v.cp)
             if "last" in held else 0.0)
     linears = rank_flops - attn_flops * held.layers * n_micro * passes - head  # the blocks'
