@@ -559,3 +559,27 @@ def test_materialised_attention_computes_the_whole_square():
         unfused["efficiency"] * gpu.peak_flops) + scores
     assert unfused["breakdown_s"]["compute"] - flash["breakdown_s"]["compute"] == \
         pytest.approx(extra)
+
+
+def test_the_head_runs_forward_and_backward_and_is_never_recomputed():
+    """Activation checkpointing recomputes the blocks, not the LM head (torchtitan, Megatron
+    and shardgraph checkpoint decoder blocks only): a wider vocabulary costs its head's FLOPs
+    three times (forward, and backward's two matmuls), whatever the blocks recompute."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import head_flops_per_token, pass_times, step_time
+    from shardgraph.planner.memory import microbatches
+
+    row = next(r for r in cal.rows()
+               if r.name.startswith("Llama 3.1 8B FSDP 8 CP 1 seq 32k"))
+    assert row.view.ac and row.view.pp == 1 and sum(pass_times(row.view)) == 4
+    wider = attrs.evolve(row.shape, vocab=2 * row.shape.vocab)
+    a = step_time(row.shape, row.view, row.setup, row.gpu, cal.FITTED)
+    b = step_time(wider, row.view, row.setup, row.gpu, cal.FITTED)
+    mbs, n_micro = microbatches(row.view, row.setup)
+    extra = 3 * (head_flops_per_token(wider) - head_flops_per_token(row.shape)) * mbs * \
+        row.setup.seq_len * n_micro
+    assert a["efficiency"] == b["efficiency"]
+    assert b["breakdown_s"]["compute"] - a["breakdown_s"]["compute"] == pytest.approx(
+        extra / (a["efficiency"] * row.gpu.peak_flops))

@@ -325,9 +325,12 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     # materialised scores are the whole square (baddbmm, then the causal mask): twice causal's
     attention = attn_flops * held.layers * n_micro * v.attention_imbalance * (
         passes + 0.5 if v.fused_attention else 2 * passes)
-    head = (head_flops_per_token(shape) * tokens * n_micro * passes / (v.tp * v.cp)
+    # the head is never checkpointed (nor are its weight gradients split from backward):
+    # a forward and a backward, not the blocks' recomputation
+    head = (head_flops_per_token(shape) * tokens * n_micro * 3 / (v.tp * v.cp)
             if "last" in held else 0.0)
-    linears = rank_flops - attn_flops * held.layers * n_micro * passes - head  # the blocks'
+    linears = rank_flops - attn_flops * held.layers * n_micro * passes \
+        - head * passes / 3  # the blocks'
     if v.loss_chunk_tokens and "last" in held:
         # a chunked loss computes each chunk's logits again in backward: one more forward of
         # the head per micro-batch
