@@ -10,8 +10,10 @@ the pipeline bubble.
   (tokens, input, output) after tp and cp split them: ``eff = e_max * x / (x + x0)``, fitted.
   Flash attention runs at a share of that fitted per GPU (its backward recomputes the scores:
   2.5 forwards); attention that materialises the scores (no flash attention) computes the
-  whole square, masked after: twice the causal FLOPs, at the linears' efficiency; float8 linears (the blocks', not the head) at a fitted speed-up on GPUs with
-  float8 tensor cores. Frozen weights (LoRA) skip their weight-gradient matmuls.
+  whole square, masked after: twice the causal FLOPs, at the linears' efficiency. Float8
+  linears (the blocks', not the head) run at a fitted speed-up on GPUs with float8 tensor
+  cores. Frozen weights (LoRA) skip their weight-gradient matmuls. The LM head is never
+  recomputed: a forward and a backward whatever the blocks' checkpointing.
 - Collectives, alpha-beta: ``latency * steps + traffic / (link bandwidth * comm_eff)``
   (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block;
   the rest ``log2(n)``),
