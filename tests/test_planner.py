@@ -583,3 +583,21 @@ def test_the_head_runs_forward_and_backward_and_is_never_recomputed():
     assert a["efficiency"] == b["efficiency"]
     assert b["breakdown_s"]["compute"] - a["breakdown_s"]["compute"] == pytest.approx(
         extra / (a["efficiency"] * row.gpu.peak_flops))
+
+
+def test_a_heavier_last_stage_slows_the_steady_state_not_the_ramps():
+    """Under 1F1B the slowest stage sets the steady state, and the fill and the drain pass
+    through the others: Megatron-LM 2021's 1T model (pp 64, two blocks a stage, the LM head on
+    the last) with four times the vocabulary has a slower last stage (the step's compute grows
+    by a tenth), and a bubble that does not grow with it."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import step_time
+
+    row = next(r for r in cal.rows() if r.name.startswith("GPT 1008B"))
+    assert row.view.pp == 64 and row.view.pipeline.schedule == "Schedule1F1B"
+    parts = [step_time(attrs.evolve(row.shape, vocab=k * row.shape.vocab), row.view,
+                       row.setup, row.gpu, cal.FITTED)["breakdown_s"] for k in (1, 4)]
+    assert parts[1]["compute"] > 1.1 * parts[0]["compute"]
+    assert parts[1]["pipeline_bubble"] == pytest.approx(parts[0]["pipeline_bubble"], rel=0.05)

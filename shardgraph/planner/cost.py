@@ -277,6 +277,20 @@ def pp_sends(v: PlanView, n_micro: int, chunks: int) -> float:
     return 2 * (v.pp * chunks - 1) + 2 * max(0, n_micro - v.pp) * chunks
 
 
+def rank_flops_per_token(shape: ModelShape, v: PlanView, seq: int) -> list[float]:
+    """Forward FLOPs per token of each pp rank's stages (one entry without pp): its blocks,
+    and the LM head on the rank that holds the last stage."""
+    per_held: dict = {}
+    out = []
+    for held, _ in stage_layers(shape, v):
+        if held not in per_held:
+            per_held[held] = sum(n * _kind_flops(shape, seq, k) for k, n in held.kinds
+                                 if k not in EXTRAS) + (
+                head_flops_per_token(shape) if "last" in held else 0.0)
+        out.append(per_held[held])
+    return out
+
+
 def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
               eff: Efficiency) -> dict[str, Any]:
     mbs, n_micro = microbatches(v, setup)
@@ -288,19 +302,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     passes = sum(pass_times(v))
     recomputes = passes - 3
     ranks = stage_layers(shape, v)
-
-    def stage_flops(held) -> float:
-        f = sum(n * _kind_flops(shape, seq, k) for k, n in held.kinds
-                if k not in EXTRAS)
-        if "last" in held:
-            f += head_flops_per_token(shape)
-        return f
-
-    per_held: dict = {}
-    for held, _ in ranks:
-        if held not in per_held:
-            per_held[held] = stage_flops(held)
-    flops = [per_held[held] for held, _ in ranks]
+    flops = rank_flops_per_token(shape, v, seq)
     worst = max(range(len(ranks)), key=lambda i: flops[i])
     held, n_chunks = ranks[worst]
     blocks = [(k, n) for k, n in held.kinds if k not in EXTRAS]
@@ -448,7 +450,11 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         if v.overlap_p2p:  # behind the compute of one chunk's forward
             one = _hidden(one, compute / max(1, n_micro * n_chunks * passes), eff.overlap)
         add("pp", one * pp_sends(v, n_micro, n_chunks))
-        bubble = bubble_share(v, n_micro, n_chunks) * (compute + in_pass)
+        # the fill and the drain pass through the other ranks' stages: a rank that holds more
+        # (the LM head's) sets the steady state, not the ramps
+        others = [f for i, f in enumerate(flops) if i != worst]
+        ramp = sum(others) / len(others) / flops[worst] if flops[worst] else 1.0
+        bubble = bubble_share(v, n_micro, n_chunks) * (compute * ramp + in_pass)
     # optimizer: reads parameters, gradients, states; writes parameters and states
     local = held_numel(shape, held, v) * shape.param_bytes * trainable_share(shape, v)
     states = setup.optimizer_states
