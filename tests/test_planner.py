@@ -601,3 +601,19 @@ def test_a_heavier_last_stage_slows_the_steady_state_not_the_ramps():
                        row.setup, row.gpu, cal.FITTED)["breakdown_s"] for k in (1, 4)]
     assert parts[1]["compute"] > 1.1 * parts[0]["compute"]
     assert parts[1]["pipeline_bubble"] == pytest.approx(parts[0]["pipeline_bubble"], rel=0.05)
+
+
+def test_megatron_fsdp_is_priced_at_the_zero_stage_it_runs():
+    """megatron_fsdp's ``zero_dp_strategy`` says what its flat buffer splits over dp: 1 the
+    optimizer state (Megatron's distributed optimizer), 2 and the gradients, 3 and the
+    parameters; 0 none. Each stage holds whole what it does not split, and only stage 3
+    gathers parameters for every micro-batch: below it, the updated ones once per step."""
+    found = {z: est(f"[plugins.megatron_fsdp]\nzero_dp_strategy = {z}\n", 64) for z in range(4)}
+    mem = {z: r["memory_bytes_per_rank"] for z, r in found.items()}
+    assert mem[0]["optimizer"] == pytest.approx(64 * mem[1]["optimizer"], rel=0.01)
+    assert mem[0]["grads"] == mem[1]["grads"] == pytest.approx(64 * mem[2]["grads"], rel=0.01)
+    assert mem[1]["params"] == mem[2]["params"] == pytest.approx(64 * mem[3]["params"],
+                                                                 rel=0.01)
+    assert mem[0]["total"] > mem[1]["total"] > mem[2]["total"] > mem[3]["total"]
+    comm = {z: r["breakdown_s"]["exposed_comm"]["dp_shard"] for z, r in found.items()}
+    assert comm[3] > 5 * comm[1] and comm[0] == comm[1] == comm[2]

@@ -93,6 +93,8 @@ class Cost:
     ``"sharded"`` (dim 0 over ``dp_shard x cp``, one unit per block, gathered before use),
     ``"flat"`` (a flat buffer over ``dp x cp``), ``"replicated"`` (whole copies, gradients
     all-reduced in buckets overlapped with backward).
+    ``shards``: what a ``"flat"`` buffer splits over ``dp x cp``, ZeRO's stages: 1 the optimizer
+    state, 2 and the gradients, 3 and the parameters; 0 none (whole copies everywhere).
     ``overlap_grad_reduce``: False when gradients are reduced only after backward.
     ``compute_bytes`` / ``reduce_bytes``: the compute and gradient-reduction dtypes' sizes.
     ``splits_sequence``: activations between blocks are split over tp (sequence parallelism).
@@ -130,6 +132,7 @@ class Cost:
     states: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(
             attrs.validators.in_(("sharded", "flat", "replicated"))))
+    shards: int = attrs.field(default=3, validator=attrs.validators.in_(range(4)))
     reshard_after_forward: bool | None = None
     cpu_offload: bool = False
     defer_grad_sync: bool | None = None

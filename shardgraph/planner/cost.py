@@ -46,7 +46,7 @@ import attrs
 
 from .gpus import GPU
 from .memory import (EXTRAS, held_numel, kv_width, microbatches, stage_layers,
-                     trainable_share)
+                     state_numel, trainable_share)
 from .shape import ModelShape, layer_kind
 from .view import PlanView, Setup
 
@@ -396,7 +396,11 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         # its backward; under torch's pipeline stages none after the first forward unless
         # resharded after forward: they keep the parameters through every micro-batch's
         # backward (``set_reshard_after_backward(False)`` but on the last)
-        if v.pp > 1:
+        if v.strategy == "sharded" and v.shards < 3:
+            # whole parameters: the updated ones gathered once per step, after the optimizer
+            # (below ZeRO 1, the second half of the gradients' all-reduce)
+            gathers = 1
+        elif v.pp > 1:
             gathers = 1 + (n_micro if v.reshard_after_forward else 0)
         else:
             gathers = n_micro * (2 if v.reshard_after_forward else 1)
@@ -456,7 +460,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         ramp = sum(others) / len(others) / flops[worst] if flops[worst] else 1.0
         bubble = bubble_share(v, n_micro, n_chunks) * (compute * ramp + in_pass)
     # optimizer: reads parameters, gradients, states; writes parameters and states
-    local = held_numel(shape, held, v) * shape.param_bytes * trainable_share(shape, v)
+    local = state_numel(shape, held, v)[2] * shape.param_bytes * trainable_share(shape, v)
     states = setup.optimizer_states
     optimizer = local * (3 + 2 * states) / gpu.hbm_bw
     total = compute + sum(exposed.values()) + bubble + optimizer

@@ -135,16 +135,28 @@ def trainable_share(shape: ModelShape, v: PlanView) -> float:
     return min(1.0, 2 * v.adapter_rank / shape.hidden) if v.adapter_rank else 1.0
 
 
+def state_numel(shape: ModelShape, held: Held, v: PlanView) -> tuple[int, int, int]:
+    """Elements of parameters, gradients and optimizer state (per state) a rank holds of
+    ``held``: a flat buffer split to ZeRO's stage ``shards`` keeps whole what it does not split
+    (1: the optimizer state alone is split, 2: and the gradients)."""
+    n = held_numel(shape, held, v)
+    if v.strategy != "sharded" or v.shards == 3:
+        return n, n, n
+    whole = held_numel(shape, held, _unsharded(v))
+    return whole, (n if v.shards >= 2 else whole), (n if v.shards >= 1 else whole)
+
+
 def state_bytes(shape: ModelShape, v: PlanView, setup: Setup) -> list[dict[str, int]]:
     """params / grads / optimizer bytes on each pp rank (rank 0 of its other groups)."""
     out, seen = [], {}
     share = trainable_share(shape, v)
     for held, _ in stage_layers(shape, v):
         if held not in seen:
-            n = held_numel(shape, held, v)
-            b = n * shape.param_bytes
-            seen[held] = {"params": b, "grads": int(b * share),
-                          "optimizer": int(setup.optimizer_states * b * share), "numel": n}
+            params, grads, states = state_numel(shape, held, v)
+            b = shape.param_bytes
+            seen[held] = {"params": params * b, "grads": int(grads * b * share),
+                          "optimizer": int(setup.optimizer_states * states * b * share),
+                          "numel": params}
         out.append(seen[held])
     return out
 
@@ -369,6 +381,12 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
     block = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), whole)
     reduce = v.reduce_bytes or shape.param_bytes
     params = dense * dtype if not v.reshard_after_forward else 2 * block * dtype
+    if v.strategy == "sharded" and v.shards < 3:
+        # whole parameters (and, below ZeRO 2, gradients) are the rank's own state already;
+        # stage 2 keeps unsharded gradients until they are split
+        params = 0
+        if v.shards < 2:
+            return float(received)
     _, n_micro = microbatches(v, setup)
     # torch's pipeline stages reduce an fsdp module's gradients on the last micro-batch only
     # (``backward_maybe_with_nosync``), whatever the strategy's own setting

@@ -73,6 +73,9 @@ class PlanView:
     #: a collective across nodes uses the NICs of all its members in a node at once (NCCL's
     #: rings, one channel per NIC); False: one NIC's bandwidth per GPU
     pooled_nics: bool = True
+    #: under "sharded" (a flat buffer), ZeRO's stage: 1 optimizer state, 2 and gradients,
+    #: 3 and parameters split over dp x cp; 0 none
+    shards: int = 3
     #: selective checkpointing saves every collective's output (shardgraph's policy); False:
     #: reduce-scatters' only, all-gathers and all-reduces recomputed (torchtitan's policy)
     sac_saves_gathers: bool = True
@@ -171,6 +174,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp,
         tp=layout.tp, ep=layout.ep,
         strategy=STRATEGIES.get(cost.states) if layout.world_size > 1 else None,
+        shards=cost.shards,
         sp=cost.splits_sequence and layout.tp > 1,
         ac=cost.recompute > 0,
         loss_parallel=cost.loss_parallel,

@@ -90,7 +90,8 @@ def _apply(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContext, inp
 
 
 def _cost(options: MegatronFSDPOptions, layout) -> Cost:
-    return Cost(states="flat", overlap_grad_reduce=options.overlap_grad_reduce)
+    return Cost(states="flat", shards=options.zero_dp_strategy,
+                overlap_grad_reduce=options.overlap_grad_reduce)
 
 
 PLUGIN = Plugin(
