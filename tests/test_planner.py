@@ -617,3 +617,43 @@ def test_megatron_fsdp_is_priced_at_the_zero_stage_it_runs():
     assert mem[0]["total"] > mem[1]["total"] > mem[2]["total"] > mem[3]["total"]
     comm = {z: r["breakdown_s"]["exposed_comm"]["dp_shard"] for z, r in found.items()}
     assert comm[3] > 5 * comm[1] and comm[0] == comm[1] == comm[2]
+
+
+def test_torchaos_float8_casts_cost_traffic_that_narrow_shards_feel():
+    """torchao's dynamic float8 scaling reads each linear's input for its amax, reads it again
+    to cast it and writes float8 (forward and every recomputation), casts the output's gradient
+    alike in backward and transposes the float8 input for the weight gradient: traffic that
+    does not shrink with the matmul's third side, so tp 8's narrow shards gain less. torchtitan
+    measured float8 at 1.16x over bf16 on the 8B with FSDP 8 x TP 8 (its async-TP page) and at
+    1.29x with FSDP alone (Table 3); Transformer Engine's kernels write the float8 inputs
+    themselves (``fused_float8_casts``) and pay none of it."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import linear_shapes, pass_times, step_time
+    from shardgraph.planner.memory import microbatches, stage_layers
+
+    rows = {r.name: r for r in cal.rows()}
+
+    def gain(bf16: str, fp8: str) -> float:
+        return cal.predict(rows[bf16], cal.FITTED)["step_s"] / cal.predict(
+            rows[fp8], cal.FITTED)["step_s"]
+
+    narrow = gain("Llama 3.1 8B FSDP 8 TP 8 64 H100 bf16 + compile (vanilla TP)",
+                  "Llama 3.1 8B FSDP 8 TP 8 64 H100 float8 + compile (vanilla TP)")
+    whole = gain("Llama 3.1 8B FSDP + compile 128 H100 (Table 3)",
+                 "Llama 3.1 8B FSDP + compile + Float8 128 H100 (Table 3)")
+    assert narrow == pytest.approx(5078.1 / 4378, rel=0.05) and narrow < whole
+    row = rows["Llama 3.1 8B FSDP 8 TP 8 64 H100 float8 + compile (vanilla TP)"]
+    v, eff = row.view, cal.FITTED
+    assert v.float8_linears and row.gpu.fp8 and not v.fused_float8_casts
+    torchao = step_time(row.shape, v, row.setup, row.gpu, eff)["breakdown_s"]["compute"]
+    fused = step_time(row.shape, attrs.evolve(v, fused_float8_casts=True), row.setup, row.gpu,
+                      eff)["breakdown_s"]["compute"]
+    mbs, n_micro = microbatches(v, row.setup)
+    recomputes = sum(pass_times(v)) - 3
+    per_block = sum(m * ((5 * (1 + recomputes) + 2) * k + 5 * n) for m, k, n in linear_shapes(
+        row.shape, v.tp, v.cp, v.ep, mbs * row.setup.seq_len, "dense"))
+    layers = stage_layers(row.shape, v)[0][0].layers
+    assert torchao - fused == pytest.approx(
+        eff.elementwise * n_micro * layers * per_block / row.gpu.hbm_bw)

@@ -151,7 +151,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                                                 "fused_elementwise", "p2p_split_over_tp",
                                                 "pooled_nics", "sac_saves_gathers",
                                                 "matmul_overlap", "overlap_p2p",
-                                                "fused_loss", "repeat_kv")}
+                                                "fused_loss", "repeat_kv",
+                                                "fused_float8_casts")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     # the pipeline of the source, where it differs from torch's: the stages' outputs its torch
     # kept (pp_keeps_outputs), no receive buffer per micro-batch (pp_recv_buffers, Megatron's)

@@ -68,6 +68,9 @@ class PlanView:
     fused_attention: bool = True
     #: norms, activations and residuals in fused kernels (torch.compile, Megatron's kernels)
     fused_elementwise: bool = False
+    #: float8 casts fused into the kernels that produce their inputs (Transformer Engine's
+    #: norm and activation kernels write float8); False: torchao's, each a pass of its own
+    fused_float8_casts: bool = False
     #: pipeline sends split over tp and gathered after (Megatron-LM's scatter/gather)
     p2p_split_over_tp: bool = False
     #: a collective across nodes uses the NICs of all its members in a node at once (NCCL's
