@@ -33,8 +33,10 @@ the pipeline bubble.
   matmul, where the stack overlaps the two (async TP, userbuffers), ``matmul_overlap``
   (fitted on a run measured with and without it: the matmul runs in pieces).
 - Pipeline: the bubble of the schedule's shape (``bubble_share``) over a pass's compute and
-  the collectives inside it, and a receive per pass (``pp_sends``; behind the next pass
-  where the stack overlaps them, Megatron's interleaved schedule).
+  the collectives inside it (its fill and drain run through the other ranks' stages, so the
+  slowest rank's extra work, the LM head's, is paid in the steady state alone), and a receive
+  per pass (``pp_sends``; behind the next pass where the stack overlaps them, Megatron's
+  interleaved schedule).
 """
 
 from __future__ import annotations
