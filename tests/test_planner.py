@@ -657,3 +657,30 @@ def test_torchaos_float8_casts_cost_traffic_that_narrow_shards_feel():
     layers = stage_layers(row.shape, v)[0][0].layers
     assert torchao - fused == pytest.approx(
         eff.elementwise * n_micro * layers * per_block / row.gpu.hbm_bw)
+
+
+def test_torchs_pipeline_stages_wait_for_fsdps_gradient_reduction():
+    """torch's pipeline stages reduce an fsdp module's gradients in a step of their own after
+    the stage's last backward (``perform_reduce_grad``) and wait for it in FSDP's final
+    callback: no backward hides the reduce-scatter, which a pipeline declaring otherwise (a
+    stack that overlaps it, ``reduce_after_backward = False``) hides at ``overlap``'s cost."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import _collective, rank_flops_per_token, step_time
+    from shardgraph.planner.memory import held_numel, stage_layers
+
+    row = next(r for r in cal.rows() if r.name == "Llama 3.1 405B FSDP 8 TP 8 PP 8 1F1B (Table 5)")
+    v, eff = row.view, cal.FITTED
+    assert v.pipeline.reduce_after_backward and v.strategy == "fully_shard"
+    overlapped = attrs.evolve(v, pipeline=attrs.evolve(v.pipeline, reduce_after_backward=False))
+    waits, hides = (step_time(row.shape, view, row.setup, row.gpu, eff)["breakdown_s"]
+                    ["exposed_comm"]["dp_shard"] for view in (v, overlapped))
+    flops = rank_flops_per_token(row.shape, v, row.setup.seq_len)
+    held = stage_layers(row.shape, v)[flops.index(max(flops))][0]  # the slowest rank's
+    grads = held_numel(row.shape, held, attrs.evolve(v, strategy=None)) * v.reduce_bytes
+    units = held.layers + 1
+    rs = units * _collective("reduce_scatter", v.dp_shard * v.cp, grads / units,
+                             v.group_crosses_nodes("dp_shard_cp"), row.gpu, eff,
+                             v.members_per_node("dp_shard_cp"))
+    assert rs > 0.1 and waits - hides == pytest.approx((1 - eff.overlap) * rs)

@@ -64,7 +64,10 @@ class PipelineCost:
     ``"none"`` (torch's ``step(return_outputs=False)``), ``"last"`` (its default, to return them
     merged) or ``"every"`` (torch 2.7 and before kept every stage's); ``recv_buffers``: each
     stage keeps a receive buffer per micro-batch (torch's ``PipelineStage``); False: a receive
-    lands in the tensor that becomes the stage's input (Megatron's p2p), nothing kept beside.
+    lands in the tensor that becomes the stage's input (Megatron's p2p), nothing kept beside;
+    ``reduce_after_backward``: a stage reduces a sharded strategy's gradients in a step of its
+    own after its last backward and waits for it (torch's ``perform_reduce_grad``, which ends in
+    FSDP's final callback); False: behind the backward, as the strategy alone would.
     Which numbers of micro-batches a schedule accepts stays the plugin's ``check``.
     """
 
@@ -76,6 +79,7 @@ class PipelineCost:
     keeps_outputs: str = attrs.field(default="none", validator=attrs.validators.in_(
         ("none", "last", "every")))
     recv_buffers: bool = True
+    reduce_after_backward: bool = True
     microbatch_size: int = 1
     layers_per_stage: int | None = None
     #: ``split(n_layers, n_stages, layers_per_stage) -> [range]``: the blocks of each stage

@@ -155,9 +155,12 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                                                 "fused_float8_casts")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     # the pipeline of the source, where it differs from torch's: the stages' outputs its torch
-    # kept (pp_keeps_outputs), no receive buffer per micro-batch (pp_recv_buffers, Megatron's)
+    # kept (pp_keeps_outputs), no receive buffer per micro-batch (pp_recv_buffers, Megatron's),
+    # gradient reductions behind the backward (pp_reduce_after_backward = false)
     pipe = {f: r.get(k, src.get(k)) for k, f in (("pp_keeps_outputs", "keeps_outputs"),
-                                                 ("pp_recv_buffers", "recv_buffers"))}
+                                                 ("pp_recv_buffers", "recv_buffers"),
+                                                 ("pp_reduce_after_backward",
+                                                  "reduce_after_backward"))}
     if view.pipeline is not None and any(v is not None for v in pipe.values()):
         view = attrs.evolve(view, pipeline=attrs.evolve(
             view.pipeline, **{f: v for f, v in pipe.items() if v is not None}))

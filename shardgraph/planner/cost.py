@@ -436,8 +436,11 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         first = ag / (gathers * units) if gathers else 0.0
         # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
         # backward they follow (on its own stream); what hides still costs ``eff.overlap`` of
-        # its time
-        window = bwd_last * reductions if v.overlap_grad_reduce else 0.0
+        # its time; a pipeline whose stages reduce fsdp's gradients in a step of their own
+        # after the last backward, and wait for it (torch's), hides none of them
+        after = v.pipeline is not None and v.pipeline.reduce_after_backward \
+            and v.strategy == "fully_shard"
+        window = bwd_last * reductions if v.overlap_grad_reduce and not after else 0.0
         hidden = min(ag, compute) + min(rs, window)
         add("dp_shard", max(0.0, ag - compute) + first + max(0.0, rs - window)
             + eff.overlap * hidden)
