@@ -13,7 +13,8 @@ the pipeline bubble.
   whole square, masked after: twice the causal FLOPs, at the linears' efficiency. Float8
   linears (the blocks', not the head) run at a fitted speed-up on GPUs with float8 tensor
   cores, and torchao's casts of their inputs and output gradients are memory traffic of
-  their own (a stack whose kernels write float8 themselves, Transformer Engine's, pays none). Frozen weights (LoRA) skip their weight-gradient matmuls. The LM head is never
+  their own (a stack whose kernels write float8 themselves, Transformer Engine's, pays
+  none). Frozen weights (LoRA) skip their weight-gradient matmuls. The LM head is never
   recomputed: a forward and a backward whatever the blocks' checkpointing.
 - Collectives, alpha-beta: ``latency * steps + traffic / (link bandwidth * comm_eff)``
   (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block;
@@ -329,8 +330,10 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         # torchao's dynamic scaling reads each linear's input for its amax and again to cast
         # it, writing float8 (5 bytes an element, in every forward and recomputation);
         # backward casts the output's gradient alike (5) and transposes the float8 input for
-        # the weight gradient (2): traffic that does not shrink with the matmul's third side
-        casts = sum(n * sum(m * ((5 * (1 + recomputes) + 2) * k + 5 * o)
+        # the weight gradient (2; none for frozen weights): traffic that does not shrink with
+        # the matmul's third side
+        wgrad = 0 if v.adapter_rank else 2
+        casts = sum(n * sum(m * ((5 * (1 + recomputes) + wgrad) * k + 5 * o)
                             for m, k, o in linear_shapes(shape, v.tp, v.cp, v.ep, tokens, kind))
                     for kind, n in held.kinds if kind not in EXTRAS)
         memory_bound += eff.elementwise * n_micro * casts / gpu.hbm_bw
