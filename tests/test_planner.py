@@ -218,6 +218,24 @@ def test_no_plan_fits_is_a_plan_error():
     assert err.value.rule == "no-plan"
 
 
+def test_the_search_says_the_users_mistakes_before_it_searches():
+    # every plan the search builds keeps the user's options: one it cannot run is the user's
+    # mistake, said at once, not a plugin silently left out of the winner (fsdp2's unknown
+    # option made every fsdp2 plan refused and ddp win; a bad checkpointing mode was dropped)
+    bad = TINY + ('[plugins.fsdp2]\nreshard_after_forward = "sometimes"\nprefetch = 2\n'
+                  '[plugins.activation_checkpointing]\nmode = "bogus"\n')
+    with pytest.raises(PlanError) as err:
+        autoplan(bad, 8, gpus_per_node=4)
+    found = {(v.rule, v.keys) for v in err.value.violations}
+    assert found == {("type", ("plugins.fsdp2.reshard_after_forward",)),
+                     ("unknown-key", ("plugins.fsdp2.prefetch",)),
+                     ("option", ("plugins.activation_checkpointing.mode",))}
+    # a rule that depends on the sizes the search chooses is the search's to satisfy: pp's
+    # micro-batch against the local batch (3 divides no local batch of 16 over 8 GPUs)
+    ok = TINY + "[plugins.fsdp2]\n[plugins.pp]\nsize = 2\nmicrobatch_size = 3\n"
+    assert autoplan(ok, 8, gpus_per_node=4)["candidates"]
+
+
 def test_python_entry_points_and_speed():
     assert shardgraph.estimate is predict.estimate and shardgraph.autoplan is search.autoplan
     with pytest.raises(TypeError, match="load_pipeline"):

@@ -25,7 +25,7 @@ import attrs
 
 from ..core.axes import Axis
 from ..core.errors import PlanError, PlanWarning, Violation
-from ..core.layout import Settings
+from ..core.layout import MeshLayout, Settings
 from ..core.mesh import AxisRequest, DerivedMesh, MeshRequest, derive_mesh, positive
 from ..core.options import structure_options
 from ..plugins import Kind, OptionFlag, Plugin, Registry
@@ -99,6 +99,29 @@ def compile_graph(
     if bad:
         raise PlanError(bad)
     return Plan(layout=layout, steps=tuple(steps), registry=registry)
+
+
+def option_violations(graph: Graph, *, world_size: int, gpus_per_node: int,
+                      registry: Registry | None = None) -> list[Violation]:
+    """What is wrong with ``graph``'s plugins and options whatever the layout: the front end's
+    problems, unknown or repeated plugins, unknown options, wrong types, and the rules a
+    plugin's ``check`` states on the options the user gave alone (a rule naming a size or a
+    setting as well depends on the layout, and is ``compile``'s). ``plan --auto`` reads this
+    before it chooses the sizes: a plugin it places keeps the user's other options."""
+    registry = registry if registry is not None else default_registry()
+    bad: list[Violation] = list(graph.problems)
+    resolved, _ = _resolve(graph.entries, registry, bad)
+    # no built-in check reads the layout; one over plain data parallelism stands in for it
+    layout = MeshLayout(world_size=world_size, gpus_per_node=gpus_per_node,
+                        dp_shard=world_size)
+    settings = Settings(packed_sequence_size=0, local_batch_size=None, micro_batch_size=None)
+    for r in resolved:
+        if r.plugin.check is None or r.options is None:
+            continue
+        given = set(r.entry.options) - {"size"}
+        bad += [_locate(v, r, graph) for v in r.plugin.check(r.options, layout, settings)
+                if v.keys and set(v.keys) <= given]
+    return bad
 
 
 def _settings(graph: Graph, bad: list[Violation]) -> Settings:

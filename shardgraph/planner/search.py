@@ -17,6 +17,10 @@ schedule rules run) in ranked order until ``top`` plans compile; a candidate the
 refuses is counted and skipped. Compiling every candidate would cost ~1.4 ms each, seconds
 for the tens of thousands a 4096-GPU world has.
 
+The user's plan is read first with the compiler's rules that hold whatever the layout
+(``option_violations``): the plans built keep the user's options, so a mistake in one is said
+before searching, every mistake at once, never a plugin silently left out of the winner.
+
 Two reductions keep the walk small without losing a winner under this cost model: hsdp's
 replicate degree only changes how gradients are reduced, so it is tried on the best 64
 layouts only; and for a given layout the micro-batch sizes tried are the largest that fits,
@@ -33,6 +37,7 @@ import attrs
 from ..core.errors import PlanError, Violation
 from ..core.layout import MeshLayout, Settings
 from ..core.mesh import divisors
+from ..graphs.compiler import option_violations
 from ..graphs.toml import graph_from_dict
 from ..plugins.builtin import default_registry
 from .cost import Efficiency
@@ -311,6 +316,12 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     registry = registry or default_registry()
     names = roles(registry)
     gpn, chip = context(pipeline, world_size, gpus_per_node, gpu)
+    # the user's options are kept in the plans the search builds: a mistake in one is the
+    # user's, said before searching (not a plan silently dropped for it)
+    bad = option_violations(pipeline.graph, world_size=world_size, gpus_per_node=gpn,
+                            registry=registry)
+    if bad:
+        raise PlanError(bad)
     shape = model_shape(pipeline.model)
     setup = setup_of(pipeline)
     base = _base(pipeline, registry)
