@@ -211,7 +211,7 @@ class LowRankAdapters:
     """Low-rank adapters beside base linears (capability ``low_rank_adapters``, LoRA).
 
     Each module named in ``modules`` is an ``nn.Linear`` that keeps its own ``weight`` and
-    ``bias`` (FQNs unchanged, frozen) and computes ``base(x) + up(drop(x) @ down.T).T * scale``
+    ``bias`` (FQNs unchanged, frozen) and computes ``base(x) + up(drop(x) @ down.T * scale)``
     through bias-free ``nn.Linear`` children named ``down`` and ``up``, plus the parameter-free
     children in ``extra`` (dropout). A plugin that lays the base linear out must lay the adapters
     out too: it takes them away while its own styles shard the base (:meth:`detached`), then

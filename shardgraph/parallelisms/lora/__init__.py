@@ -4,7 +4,7 @@ Each targeted ``nn.Linear`` becomes a LoRA linear in place (``_layer.py`` says w
 its ``weight`` and ``bias`` keep their FQNs and are frozen with every other base parameter
 (``requires_grad = False``: no gradient, no optimizer state, nothing for a strategy to reduce),
 and it gains ``lora_A`` (rank x in, kaiming-uniform) and ``lora_B`` (out x rank, zeros), so step
-0 computes the base model; the output is ``base(x) + lora_B(lora_A(dropout(x))) * alpha / rank``.
+0 computes the base model; the output is ``base(x) + lora_B(lora_A(dropout(x)) * alpha / rank)``.
 
 Targets: ``target_modules`` entries are module names (``"q_proj"``: every module whose last
 name matches, wildcards allowed) or FQN globs (``"model.layers.*.self_attn.q_proj"``: an entry

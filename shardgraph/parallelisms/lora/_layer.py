@@ -56,13 +56,15 @@ class LoRAUp(_Adapter):
 
 
 class LoRALinear(nn.Linear):
-    """``base(x) + lora_B(lora_A(dropout(x))) * scaling`` (created by :func:`adapt`)."""
+    """``base(x) + lora_B(lora_A(dropout(x)) * scaling)`` (created by :func:`adapt`): the
+    rank-wide product is scaled, not the output (a multiply of ``rank`` values per token
+    instead of a read and a write of the whole output)."""
 
     scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
 
 
 def adapt(module: nn.Linear, fqn: str, *, rank: int, alpha: float, dropout: float,
