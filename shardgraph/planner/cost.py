@@ -14,7 +14,8 @@ the pipeline bubble.
   linears (the blocks', not the head) run at a fitted speed-up on GPUs with float8 tensor
   cores, and torchao's casts of their inputs and output gradients are memory traffic of
   their own (a stack whose kernels write float8 themselves, Transformer Engine's, pays
-  none). Frozen weights (LoRA) skip their weight-gradient matmuls. The LM head is never
+  none). Frozen weights (LoRA) skip their weight-gradient matmuls; the adapters beside them
+  are memory traffic (``adapter_bytes``), not FLOPs. The LM head is never
   recomputed: a forward and a backward whatever the blocks' checkpointing.
 - Collectives, alpha-beta: ``latency * steps + traffic / (link bandwidth * comm_eff)``
   (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block;
@@ -165,6 +166,22 @@ def linear_shapes(shape: ModelShape, tp: int, cp: int, ep: int, tokens: float,
         f = shape.intermediate
     up = 2 if kind == "moe" or shape.gated else 1
     return mats + [(m, h, up * f / tp), (m, f / tp, h)]
+
+
+def adapter_bytes(shape: ModelShape, v: PlanView, tokens: float, kind: str,
+                  forwards: float) -> float:
+    """HBM traffic of LoRA's adapters in one block for a micro-batch of ``tokens`` tokens, per
+    rank. An adapter beside a frozen linear (k inputs, n outputs on the rank) is two matmuls of
+    the adapter's rank wide, bound by memory, not FLOPs: every forward (and recomputation)
+    reads the linear's input again (2k bytes a token) and writes an output that is read with
+    the linear's and the sum written (8n); backward reads the output's gradient for both of
+    ``up``'s matmuls (4n) and the input for ``down``'s weight gradient (2k), and writes an
+    input gradient that is added to the frozen linear's (8k). k and v, gate and up: two adapters
+    over one input."""
+    two = 2 if kind == "moe" or shape.gated else 1
+    return sum(2 * m * (forwards * (c * k + 4 * n) + 5 * c * k + 2 * n)
+               for (m, k, n), c in zip(linear_shapes(shape, v.tp, v.cp, v.ep, tokens, kind),
+                                       (1, 2, 1, two, 1)))
 
 
 @functools.cache
@@ -319,8 +336,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     rank_flops = flops[worst] * tokens * n_micro * passes / (v.tp * v.cp)
     if v.adapter_rank:
         # frozen weights (LoRA): their linears' weight-gradient matmuls (one forward's worth
-        # of the linears) are never run; the adapters' own matmuls (r / hidden of the
-        # weights they adapt) are not counted
+        # of the linears) are never run (the adapters beside them: memory traffic, below)
         linear = flops[worst] * tokens / (v.tp * v.cp) - attn_flops * held.layers
         rank_flops -= linear * n_micro
     memory_bound = eff.elementwise * tokens / v.cp * n_micro * passes * sum(
@@ -337,6 +353,11 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                             for m, k, o in linear_shapes(shape, v.tp, v.cp, v.ep, tokens, kind))
                     for kind, n in held.kinds if kind not in EXTRAS)
         memory_bound += eff.elementwise * n_micro * casts / gpu.hbm_bw
+    if v.adapter_rank:  # LoRA's adapters: memory traffic (their FLOPs, rank / hidden of
+        # the linears', are not counted)
+        memory_bound += eff.elementwise * n_micro * sum(
+            n * adapter_bytes(shape, v, tokens, kind, 1 + recomputes)
+            for kind, n in held.kinds if kind not in EXTRAS) / gpu.hbm_bw
     # attention's own kernel (flash attention) reaches ``Efficiency.attention`` of the
     # linears' efficiency; materialised scores are batched matmuls priced as the linears
     e_attn = e * (eff.attention_share(gpu.name) if v.fused_attention else 1.0)
