@@ -119,6 +119,18 @@ def test_toml_distributed_key_typos_and_types():
             "distributed.pipeline.pp_shedule"} <= set(info.value.keys)
 
 
+def test_toml_distributed_table_named_after_the_strategy_points_to_its_options():
+    # NeMo's form puts the strategy's options in [distributed] itself; a table of its own
+    # was read as an option named 'fsdp2' of fsdp2 ("'fsdp2' has no option 'fsdp2'")
+    with pytest.raises(PlanError) as info:
+        loads_toml("[distributed]\n[distributed.fsdp2]\nreshard_after_forward = true\n"
+                   "[distributed.pipelines]\npp_schedule = '1f1b'\n").compile(world_size=2)
+    found = {v.keys: (v.message, v.hint) for v in info.value.violations}
+    assert set(found) == {("distributed.fsdp2",), ("distributed.pipelines",)}
+    assert "fsdp2's options go in [distributed] itself" in found[("distributed.fsdp2",)][1]
+    assert "did you mean 'pipeline'" in found[("distributed.pipelines",)][0]
+
+
 def test_toml_mesh_section_sets_world_size_and_gpus_per_node():
     plan = loads_toml("[plugins.fsdp2]\n[plugins.tp]\nsize = 4\n[mesh]\nworld_size = 16\n"
                       "gpus_per_node = 4\n").compile()

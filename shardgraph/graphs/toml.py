@@ -224,7 +224,16 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
     for key, value in dist.items():
         if key in DISTRIBUTED_KEYS:
             continue
-        if (own is None or key not in own) and did_you_mean(key, DISTRIBUTED_KEYS):
+        if isinstance(value, dict) and (own is None or key not in own):
+            # a table of its own ([distributed.fsdp2]): no option of the strategy is a table
+            tables = ("pipeline", "moe", "mixed_precision", *SWITCHES)
+            here = (f"{strategy}'s options go in [distributed] itself: "
+                    f"{', '.join(own or ())}" if key == strategy else
+                    f"tables under [distributed]: {', '.join(tables)}")
+            bad.append(Violation(
+                "unknown-key", (p + key,), f"[distributed] has no table [{p}{key}]"
+                f"{did_you_mean(key, tables)}", hint=here))
+        elif (own is None or key not in own) and did_you_mean(key, DISTRIBUTED_KEYS):
             # The valid keys come from this table and the strategy's options class, so the
             # hint cannot drift from what is accepted. Other keys go to the strategy, whose
             # options class reports them (with its own valid names) at compile time.
