@@ -409,7 +409,8 @@ def fit() -> Efficiency:
     checks it of ``FITTED``). A local optimum, and known to be one: the fit rows do not pin
     ``x0``, ``elementwise`` and ``eager`` between them, and from other starts the same loss
     goes lower (0.047 against 0.049) with constants that do worse on the held-out rows (6.2%
-    against 5.2%, measured before LoRA's adapters were priced); more fit rows of one stack at several sizes would pin them."""
+    against 5.2%, measured before LoRA's adapters were priced); more fit rows of one stack at
+    several sizes would pin them."""
     fit_rows = joint_fit_rows()
     point = {f: GRID[f][len(GRID[f]) // 2] for f in FIELDS}
     # fitted on its pairs alone (the stored constants' other fields price them): the fit
