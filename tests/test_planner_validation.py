@@ -6,15 +6,16 @@ Bounds, from the run that fitted the constants: held-out step-time mean absolute
 error 5.0% over 53 rows (bound 6%), no held-out row off by more than 30% (the worst:
 torchtitan's 8B at 64k tokens with cp 2, +28%, then its 8B on 32 and 64 H200s priced with
 H100's ceiling, -13%, its 405B pipelines of Table 5, -12% (interleaved) and -11% (1F1B), NeMo
-AutoModel's Qwen2.5 7B LoRA on one GPU, +12% (liger-kernel's fused norms and activations not
-priced), torchtitan's 8B at 32k, +11%, Megatron-Bridge's 70B tp 4 x pp 8, +9%, torchtitan's 70B
+AutoModel's Qwen2.5 7B LoRA on one GPU, +12% (its liger-kernel norms and activations priced
+eager), torchtitan's 8B at 32k, +11%, Megatron-Bridge's 70B tp 4 x pp 8, +9%, torchtitan's 70B
 float8 with async TP, +9% (torch's async TP of June 2025 hides more than the December 2024 pair
-its share is fitted on), and AutoModel's 70B FSDP 32 x CP 2, +9%); held-out memory MAPE 4.1% over 16 rows (bound 10%), none more than 5% under a measured peak (the
-furthest: torchtitan's 405B 1F1B of Table 5 and its 405B at 256k tokens with cp 8, -4.7%;
-bound -5%), its 405B interleaved +19.6% (measured 10 GiB under 1F1B, which no count of what
-torch's schedules hold explains), its other 4D runs +3% to +5%, its 8B long-sequence runs +4%
-to +5%, its 8B runs of Tables 1 and 3 +0.5% to +2% (a compiled block keeps a fitted 0.85 of
-what an eager one keeps), its 2025 runs on H200 -0.2% and -2.1% (their loss compiled).
+its share is fitted on), and AutoModel's 70B FSDP 32 x CP 2, +9%); held-out memory MAPE 4.1%
+over 16 rows (bound 10%), none more than 5% under a measured peak (the furthest: torchtitan's
+405B 1F1B of Table 5 and its 405B at 256k tokens with cp 8, -4.7%; bound -5%), its 405B
+interleaved +19.6% (measured 10 GiB under 1F1B, which no count of what torch's schedules hold
+explains), its other 4D runs +3% to +5%, its 8B long-sequence runs +4% to +5%, its 8B runs of
+Tables 1 and 3 +0.5% to +2% (a compiled block keeps a fitted 0.85 of what an eager one keeps),
+its 2025 runs on H200 -0.2% and -2.1% (their loss compiled).
 Run ``python -m shardgraph.planner.calibration`` for the full table.
 """
 
