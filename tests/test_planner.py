@@ -711,6 +711,14 @@ def test_loras_adapters_cost_memory_traffic_beside_every_linear(monkeypatch):
     without = cost.step_time(s, v, r.setup, r.gpu, eff)["breakdown_s"]["compute"]
     assert priced - without == pytest.approx(
         eff.elementwise * n_micro * layers * mbs * r.setup.seq_len * per_token / r.gpu.hbm_bw)
+    # with dropout, each adapter's copy of its input: the input read, the copy and a mask
+    # written in every forward (5 bytes an element), their gradient's way back in backward (5)
+    monkeypatch.undo()
+    dropped = cost.step_time(s, attrs.evolve(v, adapter_dropout=True), r.setup, r.gpu,
+                             eff)["breakdown_s"]["compute"]
+    per_token = sum(5 * (forwards + 1) * k for k, _ in adapters)
+    assert dropped - priced == pytest.approx(
+        eff.elementwise * n_micro * layers * mbs * r.setup.seq_len * per_token / r.gpu.hbm_bw)
 
 
 def test_torchs_pipeline_stages_wait_for_fsdps_gradient_reduction():

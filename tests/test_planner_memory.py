@@ -226,3 +226,54 @@ def test_saved_activations_per_block_equal_what_torch_keeps(mode):
                  else act_bytes_per_token_layer)(shape, v, 4)
     predicted = per_layer - 4 * shape.hidden
     assert measured > 0 and abs(predicted / measured - 1) < 0.10, (predicted, measured)
+
+
+def test_lora_dropout_keeps_a_dropped_copy_of_each_adapters_input():
+    """LoRA with dropout draws one copy of the input per adapter and keeps it, with its mask,
+    for the adapter's backward, where without dropout the adapters keep their frozen linears'
+    own inputs: what autograd saves in one forward of a Llama with shardgraph's ``lora`` on
+    every linear (one process, CPU, fp32), with dropout over without, against the planner's
+    bytes per token and block (counted with the CPU's mask: torch's CPU dropout keeps a noise
+    tensor in the input's dtype, a GPU's ``native_dropout`` a bool mask)."""
+    import torch
+    import transformers
+
+    from shardgraph import Graph
+    from shardgraph.planner.memory import MASK_BYTES, act_bytes_per_token_layer
+
+    layers, batch, seq = 2, 2, 256
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+
+    def graph(dropout: float) -> Graph:
+        return Graph().add("lora", rank=4, match_all_linear=True, dropout=dropout)
+
+    def kept(dropout: float) -> int:
+        torch.manual_seed(0)
+        plan = graph(dropout).compile(world_size=1)
+        model = plan.apply(transformers.LlamaForCausalLM(config), plan.build_mesh("cpu")).module
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.randint(0, 64, (batch, seq))).logits.sum()
+        return sum(saved.values())
+
+    measured = (kept(0.1) - kept(0.0)) / (layers * batch * seq)
+    pipeline = loads_pipeline(
+        '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nhidden_size = 128\n'
+        'intermediate_size = 384\nnum_hidden_layers = 2\nnum_attention_heads = 4\n'
+        'num_key_value_heads = 2\nvocab_size = 64\n')
+    shape = model_shape(pipeline.model)
+    with_, without = (act_bytes_per_token_layer(
+        shape, plan_view(graph(d).compile(world_size=1)), 4) for d in (0.1, 0.0))
+    # a copy and a mask of q, k, v, gate and up's inputs (5 x 128), o's (128) and down's (384);
+    # the four distinct inputs (128, 128, 128, 384) no longer kept
+    inputs, distinct = 5 * 128 + 128 + 384, 128 + 128 + 128 + 384
+    assert with_ - without == (4 + MASK_BYTES) * inputs - 4 * distinct
+    cpu = with_ - without + (4 - MASK_BYTES) * inputs
+    assert measured > 0 and abs(cpu / measured - 1) < 0.06, (cpu, measured)

@@ -130,7 +130,9 @@ class Cost:
     gradients behind the next pass's compute.
     ``adapter_rank``: only low-rank adapters of this rank train (LoRA): gradients, their
     reductions and optimizer state exist for them alone, and the frozen linears' backward runs
-    no weight-gradient matmul (0: every parameter trains).
+    no weight-gradient matmul (0: every parameter trains). ``adapter_dropout``: each adapter
+    drops out its own copy of its input: it keeps that copy and the mask for backward, and
+    writes and reads them.
     """
 
     states: str | None = attrs.field(
@@ -161,5 +163,6 @@ class Cost:
     memory_bytes: float = 0.0
     loss_chunk_tokens: int = 0
     adapter_rank: int = 0
+    adapter_dropout: bool = False
     comms: tuple[Comm, ...] = ()
     pipeline: PipelineCost | None = None

@@ -184,6 +184,11 @@ def gathered_kv_bytes(shape: ModelShape, v: PlanView, dtype: int, tokens: float)
     return dtype * kv_width(shape, v) * tokens
 
 
+#: what torch's dropout keeps per element for backward on a GPU (``native_dropout``'s bool
+#: mask; on a CPU it keeps a float noise tensor in the input's dtype)
+MASK_BYTES = 1
+
+
 def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> float:
     """Bytes a block keeps for backward per token, per rank (flash attention: no s x s scores).
 
@@ -195,7 +200,11 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     also the norms' inputs (the gathered linear inputs stay whole: torch's SequenceParallel
     saves the all-gathered tensor). Context parallelism splits every token-wise tensor; an
     attention that keeps the K/V it all-gathered (``PlanView.keeps_gathered_kv``) keeps them
-    whole, torch's keeps its own (``gathered_kv_bytes``: the gathered copy).
+    whole, torch's keeps its own (``gathered_kv_bytes``: the gathered copy). LoRA's adapters
+    with dropout (``PlanView.adapter_dropout``) each keep their own dropped-out copy of their
+    linear's input and its mask (``MASK_BYTES`` an element): q, k, v, gate and up's (the
+    block's width, whole under tp), o's and down's (split by tp); the inputs themselves, which
+    only the adapters needed (the linears are frozen), are no longer kept.
     """
     h, t = shape.hidden, v.tp
     q = shape.heads * shape.head_dim
@@ -214,7 +223,17 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     inside = (q + q + 4 * f + f_extra) / t  # q, attention output, the MLP
     # K/V: the rank's own, or all-gathered over cp and kept whole
     kv = kv_width(shape, v) * (v.cp if v.keeps_gathered_kv else 1)
-    return dtype * ((norms + linear_in + inside) / v.cp + kv / v.cp)
+    dropped = 0.0
+    if v.adapter_dropout:
+        gated = shape.gated or shape.is_moe
+        down = f if gated else 2 * f  # down's input: the MLP's inner width
+        # every adapter's input: q, k, v and gate, up (or fc1) whole, o's and down's split
+        inputs = (3 + (2 if gated else 1)) * h + (q + down) / t
+        # the frozen linears keep none of their inputs: without dropout the adapters kept the
+        # four distinct ones (the block's two normed inputs, o's and down's), counted above
+        distinct = 2 * h + (q + down) / t
+        dropped = ((dtype + MASK_BYTES) * inputs - dtype * distinct) / v.cp
+    return dtype * ((norms + linear_in + inside) / v.cp + kv / v.cp) + dropped
 
 
 def selective_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> float:

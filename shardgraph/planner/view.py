@@ -62,6 +62,8 @@ class PlanView:
     #: the loss computes the logits of at most this many tokens at once (0: a micro-batch's)
     loss_chunk_tokens: int = 0
     adapter_rank: int = 0
+    #: each adapter keeps its own dropped-out copy of its input and the mask (``Cost``)
+    adapter_dropout: bool = False
     #: gradient reductions overlap backward (torch's DDP and FSDP2; Megatron-LM 2021 did not)
     overlap_grad_reduce: bool = True
     #: attention without materialised scores (flash attention, torch's SDPA)
@@ -196,6 +198,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         float8_linears=cost.float8_linears,
         activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
         loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,
+        adapter_dropout=cost.adapter_dropout,
         overlap_grad_reduce=cost.overlap_grad_reduce is not False,
         fused_elementwise=cost.fused_elementwise, fused_loss=cost.fused_loss,
         matmul_overlap=cost.matmul_overlap, overlap_p2p=cost.overlap_p2p,

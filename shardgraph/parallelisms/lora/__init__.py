@@ -191,8 +191,9 @@ def _apply(model: nn.Module, options: LoRAOptions, ctx: MeshContext, inputs: dic
 
 def _cost(options: LoRAOptions, layout) -> Cost:
     # the planner bounds the adapters' share from the rank and skips the frozen base's
-    # weight-gradient matmuls and gradient reductions (core.costs.Cost.adapter_rank)
-    return Cost(adapter_rank=options.rank)
+    # weight-gradient matmuls and gradient reductions (core.costs.Cost.adapter_rank); a dropout
+    # draws one copy of the input per adapter, kept for backward with its mask
+    return Cost(adapter_rank=options.rank, adapter_dropout=options.dropout > 0)
 
 
 PLUGIN = Plugin(
