@@ -411,8 +411,14 @@ def test_the_search_keeps_the_users_plugins_that_are_not_the_layout():
         assert c["assumptions"]["not_priced"] == []
     best_full, best_tuned = full[0], tuned[0]
     assert best_tuned["step_time_s"] < 0.8 * best_full["step_time_s"]
-    assert best_tuned["memory_bytes_per_rank"]["optimizer"] < \
-        0.05 * best_full["memory_bytes_per_rank"]["optimizer"]
+    # AdamW's two fp32 states for the adapters alone (at most 2 r / hidden of the weights),
+    # whole on one rank: a bound whatever layout wins; full training's are 128x that
+    from shardgraph.planner.shape import model_shape
+    from shardgraph.train.config import loads_pipeline
+
+    adapters = 2 * 16 / 4096 * model_shape(loads_pipeline(EIGHT_B).model).n_params
+    assert 0 < best_tuned["memory_bytes_per_rank"]["optimizer"] <= 8 * adapters
+    assert best_full["memory_bytes_per_rank"]["optimizer"] > 8 * adapters
 
 
 def test_a_plan_every_candidate_of_which_is_refused_says_why():

@@ -152,7 +152,7 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                                                 "pooled_nics", "sac_saves_gathers",
                                                 "matmul_overlap", "overlap_p2p",
                                                 "fused_loss", "repeat_kv",
-                                                "fused_float8_casts")}
+                                                "fused_float8_casts", "norm_upcast")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     # the pipeline of the source, where it differs from torch's: the stages' outputs its torch
     # kept (pp_keeps_outputs), no receive buffer per micro-batch (pp_recv_buffers, Megatron's),

@@ -27,7 +27,7 @@ from .view import PlanView, Setup
 #: the share of what a block keeps for backward that a compiled block (``fused_elementwise``)
 #: still keeps: ``calibration.fit_fused_saves`` on the published compiled runs of the fit split
 #: (torchtitan's, which compile the checkpointed block: the partitioner sees the policy)
-FUSED_SAVES = 0.85
+FUSED_SAVES = 0.87
 
 #: what a pp rank may hold besides blocks: the first stage's embedding, the last stage's norm and
 #: LM head, and the last stage's copy of a tied embedding (no compute of its own)
@@ -194,8 +194,9 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
 
     Counting what autograd saves in an HF Llama-style block (after Korthikanti et al. 2022,
     "Reducing Activation Recomputation in Large Transformer Models", which counts the same for
-    GPT): the two norms' inputs (h each), the inputs of the q/k/v and gate/up linears (h each),
-    q, k, v (h + 2 kv), the attention output (h), and SwiGLU's gate, up, silu(gate) and their
+    GPT): the two norms' inputs (h each; an eager RMSNorm, ``PlanView.norm_upcast``, keeps
+    them in fp32, and its normalised input before the weight too), the inputs of the q/k/v and
+    gate/up linears (h each), q, k, v (h + 2 kv), the attention output (h), and SwiGLU's gate, up, silu(gate) and their
     product (4 f). Tensor parallelism splits everything inside its region; sequence parallelism
     also the norms' inputs (the gathered linear inputs stay whole: torch's SequenceParallel
     saves the all-gathered tensor). Context parallelism splits every token-wise tensor; an
@@ -219,6 +220,10 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
         # GELU's (2 f)
         f, f_extra = shape.intermediate * (1 if shape.gated else 0.5), 0.0
     norms = 2 * h / (t if v.sp else 1)
+    if v.norm_upcast and not v.fused_elementwise:
+        # an eager RMSNorm keeps its input upcast to fp32 and, where its weight trains (not
+        # under LoRA), the normalised input before the weight
+        norms *= (4 + (0 if v.adapter_rank else dtype)) / dtype
     linear_in = 2 * h
     inside = (q + q + 4 * f + f_extra) / t  # q, attention output, the MLP
     # K/V: the rank's own, or all-gathered over cp and kept whole

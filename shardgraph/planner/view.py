@@ -70,6 +70,10 @@ class PlanView:
     fused_attention: bool = True
     #: norms, activations and residuals in fused kernels (torch.compile, Megatron's kernels)
     fused_elementwise: bool = False
+    #: an eager RMSNorm keeps its input upcast to fp32 and the normalised input before its
+    #: weight (Hugging Face's, torchtitan's "rmsnorm"); False: a fused norm kernel keeps the
+    #: input alone (torchtitan's "fused_rmsnorm", liger-kernel's, Transformer Engine's)
+    norm_upcast: bool = True
     #: float8 casts fused into the kernels that produce their inputs (Transformer Engine's
     #: norm and activation kernels write float8); False: torchao's, each a pass of its own
     fused_float8_casts: bool = False
