@@ -196,8 +196,8 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     "Reducing Activation Recomputation in Large Transformer Models", which counts the same for
     GPT): the two norms' inputs (h each; an eager RMSNorm, ``PlanView.norm_upcast``, keeps
     them in fp32, and its normalised input before the weight too), the inputs of the q/k/v and
-    gate/up linears (h each), q, k, v (h + 2 kv), the attention output (h), and SwiGLU's gate, up, silu(gate) and their
-    product (4 f). Tensor parallelism splits everything inside its region; sequence parallelism
+    gate/up linears (h each), q, k, v (h + 2 kv), the attention output (h), and SwiGLU's gate,
+    up, silu(gate) and their product (4 f). Tensor parallelism splits everything inside its region; sequence parallelism
     also the norms' inputs (the gathered linear inputs stay whole: torch's SequenceParallel
     saves the all-gathered tensor). Context parallelism splits every token-wise tensor; an
     attention that keeps the K/V it all-gathered (``PlanView.keeps_gathered_kv``) keeps them
