@@ -194,18 +194,19 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
 
     Counting what autograd saves in an HF Llama-style block (after Korthikanti et al. 2022,
     "Reducing Activation Recomputation in Large Transformer Models", which counts the same for
-    GPT): the two norms' inputs (h each; an eager RMSNorm, ``PlanView.norm_upcast``, keeps
-    them in fp32, and its normalised input before the weight too), the inputs of the q/k/v and
+    GPT): the two norms' inputs (h each; an eager RMSNorm, ``PlanView.norm_upcast``, keeps them
+    in fp32, and its normalised input before the weight too), the inputs of the q/k/v and
     gate/up linears (h each), q, k, v (h + 2 kv), the attention output (h), and SwiGLU's gate,
-    up, silu(gate) and their product (4 f). Tensor parallelism splits everything inside its region; sequence parallelism
-    also the norms' inputs (the gathered linear inputs stay whole: torch's SequenceParallel
-    saves the all-gathered tensor). Context parallelism splits every token-wise tensor; an
-    attention that keeps the K/V it all-gathered (``PlanView.keeps_gathered_kv``) keeps them
-    whole, torch's keeps its own (``gathered_kv_bytes``: the gathered copy). LoRA's adapters
-    with dropout (``PlanView.adapter_dropout``) each keep their own dropped-out copy of their
-    linear's input and its mask (``MASK_BYTES`` an element): q, k, v, gate and up's (the
-    block's width, whole under tp), o's and down's (split by tp); the inputs themselves, which
-    only the adapters needed (the linears are frozen), are no longer kept.
+    up, silu(gate) and their product (4 f). Tensor parallelism splits everything inside its
+    region; sequence parallelism also the norms' inputs (the gathered linear inputs stay whole:
+    torch's SequenceParallel saves the all-gathered tensor). Context parallelism splits every
+    token-wise tensor; an attention that keeps the K/V it all-gathered
+    (``PlanView.keeps_gathered_kv``) keeps them whole, torch's keeps its own
+    (``gathered_kv_bytes``: the gathered copy). LoRA's adapters with dropout
+    (``PlanView.adapter_dropout``) each keep their own dropped-out copy of their linear's input
+    and its mask (``MASK_BYTES`` an element): q, k, v, gate and up's (the block's width, whole
+    under tp), o's and down's (split by tp); the inputs themselves, which only the adapters
+    needed (the linears are frozen), are no longer kept.
     """
     h, t = shape.hidden, v.tp
     q = shape.heads * shape.head_dim
