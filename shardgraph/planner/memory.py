@@ -194,15 +194,15 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
 
     Counting what autograd saves in an HF Llama-style block (after Korthikanti et al. 2022,
     "Reducing Activation Recomputation in Large Transformer Models", which counts the same for
-    GPT): the two norms' inputs (h each; an eager RMSNorm, ``PlanView.norm_upcast``, keeps them
-    in fp32, and its normalised input before the weight too), the inputs of the q/k/v and
-    gate/up linears (h each), q, k, v (h + 2 kv), the attention output (h), and SwiGLU's gate,
-    up, silu(gate) and their product (4 f). Tensor parallelism splits everything inside its
-    region; sequence parallelism also the norms' inputs (the gathered linear inputs stay whole:
-    torch's SequenceParallel saves the all-gathered tensor). Context parallelism splits every
-    token-wise tensor; an attention that keeps the K/V it all-gathered
-    (``PlanView.keeps_gathered_kv``) keeps them whole, torch's keeps its own
-    (``gathered_kv_bytes``: the gathered copy). LoRA's adapters with dropout
+    GPT): the two norms' inputs (h each, and q and k's where the family norms them per head; an
+    eager RMSNorm, ``PlanView.norm_upcast``, keeps them in fp32, and its normalised input
+    before the weight too), the inputs of the q/k/v and gate/up linears (h each), q, k, v (h +
+    2 kv), the attention output (h), and SwiGLU's gate, up, silu(gate) and their product (4 f).
+    Tensor parallelism splits everything inside its region; sequence parallelism also the
+    norms' inputs (the gathered linear inputs stay whole: torch's SequenceParallel saves the
+    all-gathered tensor). Context parallelism splits every token-wise tensor; an attention that
+    keeps the K/V it all-gathered (``PlanView.keeps_gathered_kv``) keeps them whole, torch's
+    keeps its own (``gathered_kv_bytes``: the gathered copy). LoRA's adapters with dropout
     (``PlanView.adapter_dropout``) each keep their own dropped-out copy of their linear's input
     and its mask (``MASK_BYTES`` an element): q, k, v, gate and up's (the block's width, whole
     under tp), o's and down's (split by tp); the inputs themselves, which only the adapters
@@ -220,11 +220,14 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
         # SwiGLU keeps gate, up, silu(gate), product (4 f); a GELU MLP its fc1 output and the
         # GELU's (2 f)
         f, f_extra = shape.intermediate * (1 if shape.gated else 0.5), 0.0
-    norms = 2 * h / (t if v.sp else 1)
-    if v.norm_upcast and not v.fused_elementwise:
-        # an eager RMSNorm keeps its input upcast to fp32 and, where its weight trains (not
-        # under LoRA), the normalised input before the weight
-        norms *= (4 + (0 if v.adapter_rank else dtype)) / dtype
+    # what a norm keeps per element of its input, in units of the compute dtype: an eager
+    # RMSNorm its input upcast to fp32 and, where its weight trains (not under LoRA), the
+    # normalised input before the weight; a fused one its input
+    per_norm = ((4 + (0 if v.adapter_rank else dtype)) / dtype
+                if v.norm_upcast and not v.fused_elementwise else 1.0)
+    norms = 2 * h / (t if v.sp else 1) * per_norm
+    if shape.qk_norm:  # per-head norms of q and k (Qwen3), split over tp with the heads
+        norms += (q + shape.kv_heads * shape.head_dim) / t * per_norm
     linear_in = 2 * h
     inside = (q + q + 4 * f + f_extra) / t  # q, attention output, the MLP
     # K/V: the rank's own, or all-gathered over cp and kept whole
