@@ -4,6 +4,8 @@ transformers models, for every family and plan kind it prices."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shardgraph.parallelisms.pp import split_layers
@@ -181,17 +183,25 @@ def test_lora_leaves_gradients_and_optimizer_state_to_the_adapters():
     assert b["grads"] < a["grads"] / 50
 
 
+MOE = {"MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+       "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                                   decoder_sparse_step=1, mlp_only_layers=[])}
+
+
 @pytest.mark.parametrize(("arch", "mode", "dtype"), [
     ("LlamaForCausalLM", "none", "float32"), ("LlamaForCausalLM", "selective", "float32"),
-    ("LlamaForCausalLM", "none", "bfloat16"), ("Qwen3ForCausalLM", "none", "bfloat16")])
+    ("LlamaForCausalLM", "none", "bfloat16"), ("Qwen3ForCausalLM", "none", "bfloat16"),
+    ("MixtralForCausalLM", "none", "bfloat16"), ("Qwen3MoeForCausalLM", "none", "bfloat16")])
 def test_saved_activations_per_block_equal_what_torch_keeps(arch, mode, dtype):
     """What a block keeps for backward, measured by torch's ``MemTracker`` after one forward of
     a Llama or a Qwen3 (one process, CPU, in fp32 and in bf16): the planner's bytes per token
     and layer without checkpointing and under the selective policy, each above full
-    checkpointing's (the block's input), within 10% of the measured difference to a
+    checkpointing's (the block's input), from 2% under to 6% over the measured difference to a
     full-checkpointed run. An eager RMSNorm keeps its input upcast to fp32 and its normalised
     input before the weight (Qwen3 norms q and k per head too): counted once in the compute
-    dtype, the planner was 15% under in bf16 (Llama and Qwen3)."""
+    dtype, the planner was 15% under in bf16 (Llama and Qwen3). An MoE block keeps each routed
+    copy's input and its expert's output (scaled by its routing weight, which trains): counting
+    the input alone, Mixtral and Qwen3-MoE were 4% and 6% under."""
     import torch
     import transformers
     from torch.distributed._composable import checkpoint
@@ -203,10 +213,10 @@ def test_saved_activations_per_block_equal_what_torch_keeps(arch, mode, dtype):
 
     layers, batch, seq = 2, 2, 256
     sizes = dict(vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, **MOE.get(arch, {}))
     config = transformers.AutoConfig.for_model(
-        {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[arch], **sizes,
-        attn_implementation="sdpa")
+        {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM":
+         "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}[arch], **sizes, attn_implementation="sdpa")
 
     def kept(how: str) -> int:
         torch.manual_seed(0)
@@ -224,7 +234,7 @@ def test_saved_activations_per_block_equal_what_torch_keeps(arch, mode, dtype):
     size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     pipeline = loads_pipeline(
         f'[model]\narchitecture = "{arch}"\n[model.config]\n'
-        + "".join(f"{k} = {v}\n" for k, v in sizes.items())
+        + "".join(f"{k} = {json.dumps(v)}\n" for k, v in sizes.items())
         + '[data]\nseq_len = 256\n[train]\nglobal_batch_size = 2\n'
         '[plugins.activation_checkpointing]\n'
         f'mode = "{"full" if mode == "none" else mode}"\n')
@@ -233,7 +243,8 @@ def test_saved_activations_per_block_equal_what_torch_keeps(arch, mode, dtype):
     per_layer = (selective_bytes_per_token_layer if mode == "selective"
                  else act_bytes_per_token_layer)(shape, v, size)
     predicted = per_layer - size * shape.hidden
-    assert measured > 0 and abs(predicted / measured - 1) < 0.10, (predicted, measured)
+    # the safe side: at most 2% under what torch keeps, at most 6% over
+    assert measured > 0 and -0.02 < predicted / measured - 1 < 0.06, (predicted, measured)
 
 
 def test_lora_dropout_keeps_a_dropped_copy_of_each_adapters_input():

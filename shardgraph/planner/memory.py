@@ -215,7 +215,9 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
         # (HF's MoE layers drop no token: no capacity factor, every routed copy is computed)
         f = shape.top_k * shape.moe_intermediate * shape.moe_layers.__len__() / shape.layers
         f += shape.intermediate * (shape.layers - len(shape.moe_layers)) / shape.layers
-        f_extra = shape.top_k * h * len(shape.moe_layers) / shape.layers  # dispatched inputs
+        # each routed copy's input (dispatched) and its expert's output, which the scaling by
+        # its routing weight keeps for the router's gradient
+        f_extra = 2 * shape.top_k * h * len(shape.moe_layers) / shape.layers
     else:
         # SwiGLU keeps gate, up, silu(gate), product (4 f); a GELU MLP its fc1 output and the
         # GELU's (2 f)
