@@ -226,7 +226,7 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
             continue
         if isinstance(value, dict) and (own is None or key not in own):
             # a table of its own ([distributed.fsdp2]): no option of the strategy is a table
-            tables = ("pipeline", "moe", "mixed_precision", *SWITCHES)
+            tables = (*(t for _, t in SIZE_KEYS.values() if t), "mixed_precision", *SWITCHES)
             here = (f"{strategy}'s options go in [distributed] itself: "
                     f"{', '.join(own or ())}" if key == strategy else
                     f"tables under [distributed]: {', '.join(tables)}")
