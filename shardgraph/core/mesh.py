@@ -13,6 +13,8 @@ Nothing here knows a plugin: an axis request carries its owner's name only for m
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,14 +107,27 @@ def _missing_world_size(key: str) -> Violation:
     return Violation("size", (key,), "the world size is not given", hint=hint)
 
 
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order, from its factorisation: a world of 2**64 ranks
-    is answered at once, where trying every integer up to ``n`` would never return."""
-    # sympy (a dependency of torch) factorises with Pollard's rho; imported here because it
-    # costs ~0.2 s and only a refused size needs it
-    from sympy import divisors as _sympy_divisors
+#: below this, ``divisors`` tries every integer up to the square root (2**16 at most)
+TRIAL_LIMIT = 2**32
 
-    return [int(d) for d in _sympy_divisors(n)]
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order: by trial division up to its square root below
+    ``TRIAL_LIMIT``, past it from sympy's factorisation, so that a world of 2**64 ranks is
+    answered at once, where trying every integer up to ``n`` would never return."""
+    return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=1024)
+def _divisors(n: int) -> tuple[int, ...]:
+    if n >= TRIAL_LIMIT:
+        # sympy (a dependency of torch) factorises with Pollard's rho; imported here because
+        # it costs ~0.4 s and only a size past any cluster's needs it
+        from sympy import divisors as _sympy_divisors
+
+        return tuple(int(d) for d in _sympy_divisors(n))
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return (*small, *(n // d for d in reversed(small) if d * d != n))
 
 
 #: how many divisors a hint lists before it elides the rest

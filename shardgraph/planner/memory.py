@@ -148,6 +148,12 @@ def state_numel(shape: ModelShape, held: Held, v: PlanView) -> tuple[int, int, i
 
 def state_bytes(shape: ModelShape, v: PlanView, setup: Setup) -> list[dict[str, int]]:
     """params / grads / optimizer bytes on each pp rank (rank 0 of its other groups)."""
+    return [dict(r) for r in _state_bytes(shape, v, setup.optimizer_states)]
+
+
+@functools.lru_cache(maxsize=4096)  # the same for every micro-batch size the search tries
+def _state_bytes(shape: ModelShape, v: PlanView,
+                 optimizer_states: int) -> tuple[dict[str, int], ...]:
     out, seen = [], {}
     share = trainable_share(shape, v)
     for held, _ in stage_layers(shape, v):
@@ -155,10 +161,10 @@ def state_bytes(shape: ModelShape, v: PlanView, setup: Setup) -> list[dict[str, 
             params, grads, states = state_numel(shape, held, v)
             b = shape.param_bytes
             seen[held] = {"params": params * b, "grads": int(grads * b * share),
-                          "optimizer": int(setup.optimizer_states * states * b * share),
+                          "optimizer": int(optimizer_states * states * b * share),
                           "numel": params}
         out.append(seen[held])
-    return out
+    return tuple(out)
 
 
 def microbatches(v: PlanView, setup: Setup) -> tuple[int, int]:
@@ -447,5 +453,6 @@ def boundary_bytes(shape: ModelShape, v: PlanView, setup: Setup, dtype: int) -> 
     return mbs * setup.seq_len / v.cp * shape.hidden / (v.tp if v.sp else 1) * dtype
 
 
+@functools.lru_cache(maxsize=4096)
 def _unsharded(v: PlanView) -> PlanView:
     return attrs.evolve(v, strategy=None)

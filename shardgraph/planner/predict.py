@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,12 @@ def worst_rank(ranks: list[dict[str, int]]) -> int:
 def rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
                 fused_saves: float = FUSED_SAVES) -> list[dict[str, int]]:
     """Each pp rank's memory, bytes by kind and ``total`` (rank 0 of its other groups)."""
+    return [dict(r) for r in _rank_memory(shape, v, setup, fused_saves)]
+
+
+@functools.lru_cache(maxsize=4096)  # the search asks whether a plan fits, then prices it
+def _rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
+                 fused_saves: float) -> tuple[dict[str, int], ...]:
     act_dtype = v.compute_bytes or shape.param_bytes
     states = state_bytes(shape, v, setup)
     out, seen = [], {}
@@ -129,7 +136,7 @@ def rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
                   "reserve": int(ALLOCATOR_RESERVE * (act + buffers))}
         memory["total"] = sum(memory.values())
         out.append(memory)
-    return out
+    return tuple(out)
 
 
 def fits(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU) -> bool:

@@ -4,6 +4,7 @@ the pipeline file."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -164,15 +165,21 @@ def fold(costs: list[Cost]) -> Cost:
     """One record for the plan: each field from the step that sets it (comms add up)."""
     out: dict[str, Any] = {}
     comms: list[Comm] = []
-    defaults = Cost()
     for c in costs:
-        for field in attrs.fields(Cost):
-            value = getattr(c, field.name)
-            if field.name == "comms":
-                comms.extend(value)
-            elif value != getattr(defaults, field.name):
-                out[field.name] = value
+        comms.extend(c.comms)
+        for name, default in _cost_defaults():
+            value = getattr(c, name)
+            if value != default:
+                out[name] = value
     return Cost(**{**out, "comms": tuple(comms)})
+
+
+@functools.cache
+def _cost_defaults() -> tuple[tuple[str, Any], ...]:
+    """(field, default) of every ``Cost`` field but ``comms``."""
+    defaults = Cost()
+    return tuple((f.name, getattr(defaults, f.name)) for f in attrs.fields(Cost)
+                 if f.name != "comms")
 
 
 def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
