@@ -3,13 +3,16 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
-error 5.0% over 53 rows (bound 6%), no held-out row off by more than 30% (the worst:
-torchtitan's 8B at 64k tokens with cp 2, +28%, then its 8B on 32 and 64 H200s priced with
+error 5.4% over 56 rows (bound 6%; 4.9% over the 53 rows before MLPerf's), no held-out row off
+by more than 30% (the worst: torchtitan's 8B at 64k tokens with cp 2, +28%, then MLPerf
+Training v4.0's GPT-3 175B on 11,616 and 10,752 H100s, +17% and +16% (see
+``PIPELINE_MISSES``), torchtitan's 8B on 32 and 64 H200s priced with
 H100's ceiling, -13%, its 405B pipelines of Table 5, -12% (interleaved) and -11% (1F1B), NeMo
 AutoModel's Qwen2.5 7B LoRA on one GPU, +12% (its liger-kernel norms and activations priced
 eager), torchtitan's 8B at 32k, +11%, Megatron-Bridge's 70B tp 4 x pp 8, +9%, torchtitan's 70B
 float8 with async TP, +9% (torch's async TP of June 2025 hides more than the December 2024 pair
-its share is fitted on), and AutoModel's 70B FSDP 32 x CP 2, +9%); held-out memory MAPE 4.3%
+its share is fitted on), and AutoModel's 70B FSDP 32 x CP 2, +9%; MLPerf's GPT-3 on 512 H100s,
++12%); held-out memory MAPE 4.3%
 over 16 rows (bound 10%), none more than 5% under a measured peak (the furthest: torchtitan's
 405B 1F1B of Table 5 and its 405B at 256k tokens with cp 8, -4.7%; bound -5%), its 405B
 interleaved +19.6% (measured 10 GiB under 1F1B, which no count of what torch's schedules hold
@@ -216,23 +219,65 @@ def test_the_error_does_not_grow_with_the_pipeline_depth():
     assert abs(sum(deep) / len(deep) - sum(shallow) / len(shallow)) < 0.05
 
 
+#: the pipelined rows priced more than 15% off, each with a strict expected failure that says why
+PIPELINE_MISSES = ("GPT-3 175B TP 4 PP 6 VP 8 10752 H100 FP8 (MLPerf Training v4.0)",
+                   "GPT-3 175B TP 4 PP 6 VP 8 11616 H100 FP8 (MLPerf Training v4.0)")
+
+
 def test_each_schedule_family_against_its_published_pipelines():
     """Every published pipeline row, by the torch schedule it is priced as: 1F1B (torchtitan's
     405B Tables 5 and 6, pp 8, 8 micro-batches; Megatron-LM 2021 at pp 2 and 64) and
     interleaved 1F1B (Megatron-LM 2021 at pp 4 to 35, torchtitan's Table 5, the Llama 3
-    paper's pp 16, Megatron-Bridge's pp 8 with 5 and 8 chunks): each row within 15%, each
-    family's mean within 8%. Measured: 1F1B -10.9% to +6.7%
-    (mean +0.2%), interleaved -11.8% to +8.9% (mean +0.7%)."""
+    paper's pp 16, Megatron-Bridge's pp 8 with 5 and 8 chunks, MLPerf's GPT-3 at pp 8 with 4):
+    each row within 15% (but ``PIPELINE_MISSES``), each family's mean within 8%. Measured:
+    1F1B -10.9% to +6.7% (mean +0.2%), interleaved -11.8% to +11.8% (mean +1.0%; +2.6% with
+    the misses, +15.7% and +16.6%)."""
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     families: dict[str, list[float]] = {}
     for row in cal.rows():
-        if row.view.pp > 1 and found[row.name] is not None:
+        if row.view.pp > 1 and found[row.name] is not None and row.name not in PIPELINE_MISSES:
             families.setdefault(row.view.pipeline.schedule, []).append(found[row.name])
     print({k: [f"{e:+.1%}" for e in v] for k, v in families.items()})
     assert len(families["Schedule1F1B"]) >= 5 and len(families["ScheduleInterleaved1F1B"]) >= 10
     for errors in families.values():
         assert max(abs(e) for e in errors) < 0.15
         assert abs(sum(errors) / len(errors)) < 0.08
+
+
+@pytest.mark.xfail(strict=True, reason="MLPerf Training v4.0's GPT-3 175B on 10,752 and 11,616 "
+                   "H100s is priced +15.7% and +16.6%: 6 micro-batches of one sequence per step, "
+                   "so a step is 0.64 s of compute against 0.26 s for each of the distributed "
+                   "optimizer's reduce-scatter and all-gather of 7.4B parameters over 448 and 484 "
+                   "data-parallel ranks; hidden behind the compute, each still costs half its "
+                   "time (overlap 0.5, fitted on runs whose collectives are a smaller share), and "
+                   "the per-layer CUDA graphs of these runs (launches at 512 tokens a GPU per "
+                   "layer) are not priced either way")
+def test_mlperf_gpt3_at_ten_thousand_gpus_within_15_percent():
+    found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
+    assert all(abs(found[name]) < 0.15 for name in PIPELINE_MISSES)
+
+
+def test_megatron_reduces_each_chunks_gradients_behind_the_backward_still_to_run():
+    """Megatron-Core's interleaved schedule starts a model chunk's gradient reduction when its
+    last micro-batch's backward ends (``grad_sync_func`` per chunk), behind the backward of the
+    chunks still to run (``PipelineCost.reduce_per_chunk``, declared by the Megatron sources):
+    MLPerf's GPT-3 on 10,752 H100s (8 chunks, 6 micro-batches, 448-way data parallelism) is
+    priced +25% with its reductions behind the last micro-batch's backward alone, +16% so;
+    Megatron-Bridge's 405B runs +2.4% -> 0.0% (H100) and +8.6% -> +5.9% (B200)."""
+    from shardgraph.planner.cost import _behind_chunks, _hidden
+
+    row = next(r for r in cal.rows() if r.name == PIPELINE_MISSES[0])
+    assert row.view.pipeline.reduce_per_chunk and row.view.pipeline.stages_per_rank == 8
+    alone = attrs.evolve(row, view=attrs.evolve(row.view, pipeline=attrs.evolve(
+        row.view.pipeline, reduce_per_chunk=False)))
+    measured = row.published_step_s()
+    per_chunk = cal.predict(row, cal.FITTED)["step_s"] / measured - 1
+    last_only = cal.predict(alone, cal.FITTED)["step_s"] / measured - 1
+    assert last_only > 0.2 and per_chunk < 0.17
+    # one chunk: hidden behind the backward as a whole
+    assert _behind_chunks(3.0, 2.0, 1, 0.5, 0.5) == _hidden(3.0, 2.0, 0.5) == 2.0
+    # four chunks of 0.75 s: the first behind 0.5 s of its own backward, the next 1.0 s later
+    assert _behind_chunks(3.0, 2.0, 4, 1.0, 0.5) == pytest.approx(0.25 + 0.5 * 2.75)
 
 
 def test_what_ran_fits_and_what_ran_out_of_memory_does_not():

@@ -67,7 +67,11 @@ class PipelineCost:
     lands in the tensor that becomes the stage's input (Megatron's p2p), nothing kept beside;
     ``reduce_after_backward``: a stage reduces a sharded strategy's gradients in a step of its
     own after its last backward and waits for it (torch's ``perform_reduce_grad``, which ends in
-    FSDP's final callback); False: behind the backward, as the strategy alone would.
+    FSDP's final callback); False: behind the backward, as the strategy alone would;
+    ``reduce_per_chunk``: each of a rank's stages reduces its gradients as soon as its last
+    micro-batch's backward ends, behind the backward of the stages still running
+    (Megatron-Core's interleaved schedule calls ``grad_sync_func`` per model chunk); False: the
+    rank's gradients behind its last micro-batch's backward.
     Which numbers of micro-batches a schedule accepts stays the plugin's ``check``.
     """
 
@@ -80,6 +84,7 @@ class PipelineCost:
         ("none", "last", "every")))
     recv_buffers: bool = True
     reduce_after_backward: bool = True
+    reduce_per_chunk: bool = False
     microbatch_size: int = 1
     layers_per_stage: int | None = None
     #: ``split(n_layers, n_stages, layers_per_stage) -> [range]``: the blocks of each stage

@@ -120,10 +120,12 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
         schedule = "1f1b"
     # the row's layout priced from the built-in plugins' declarations, as written in its source
     # (a Megatron row's gradient all-reduce next to tp and pp is ddp's cost on that layout)
+    strategy = {"fully_shard": ("fsdp2", {"defer_fsdp_grad_sync":
+                                          src.get("defer_grad_sync", True)}),
+                "sharded": ("megatron_fsdp", {"zero_dp_strategy": r.get("zero", 3)}),
+                "replicate": ("ddp", {})}[r["strategy"]]
     plugins: dict[str, dict[str, Any]] = {
-        "fsdp2" if r["strategy"] == "fully_shard" else "ddp":
-            {"defer_fsdp_grad_sync": src.get("defer_grad_sync", True)}
-            if r["strategy"] == "fully_shard" else {},
+        strategy[0]: strategy[1],
         "mixed_precision": {"param_dtype": "bf16",
                             "reduce_dtype": src.get("reduce_dtype", "fp32")}}
     if tp > 1:
@@ -156,11 +158,13 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     # the pipeline of the source, where it differs from torch's: the stages' outputs its torch
     # kept (pp_keeps_outputs), no receive buffer per micro-batch (pp_recv_buffers, Megatron's),
-    # gradient reductions behind the backward (pp_reduce_after_backward = false)
+    # gradient reductions behind the backward (pp_reduce_after_backward = false), each stage's
+    # as its last backward ends (pp_reduce_per_chunk, Megatron-Core's)
     pipe = {f: r.get(k, src.get(k)) for k, f in (("pp_keeps_outputs", "keeps_outputs"),
                                                  ("pp_recv_buffers", "recv_buffers"),
                                                  ("pp_reduce_after_backward",
-                                                  "reduce_after_backward"))}
+                                                  "reduce_after_backward"),
+                                                 ("pp_reduce_per_chunk", "reduce_per_chunk"))}
     if view.pipeline is not None and any(v is not None for v in pipe.values()):
         view = attrs.evolve(view, pipeline=attrs.evolve(
             view.pipeline, **{f: v for f, v in pipe.items() if v is not None}))

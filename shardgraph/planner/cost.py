@@ -294,6 +294,16 @@ def _hidden(t: float, behind: float, share: float) -> float:
     return max(0.0, t - behind) + share * min(t, behind)
 
 
+def _behind_chunks(t: float, behind: float, chunks: int, gap: float, share: float) -> float:
+    """What a gradient reduction of ``t`` seconds costs behind a backward of ``behind`` seconds
+    when it runs in ``chunks`` equal parts, one per stage of the rank, each started as its
+    stage's last backward ends (``PipelineCost.reduce_per_chunk``): part c hides behind its own
+    stage's share of ``behind`` and the ``c`` stages' backward after it, ``gap`` seconds each.
+    One chunk: ``_hidden(t, behind, share)``."""
+    exposed = sum(max(0.0, t / chunks - behind / chunks - c * gap) for c in range(chunks))
+    return exposed + share * (t - exposed)
+
+
 def pp_sends(v: PlanView, n_micro: int, chunks: int) -> float:
     """Point-to-point transfers on the critical path of one step: a micro-batch's activation
     (forward) and its gradient (backward) cross each of the ``pp v - 1`` stage boundaries in the
@@ -426,7 +436,12 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             one = _hidden(one, block_linears_s / max(1, c.forward), eff.matmul_overlap)
         add(c.axis, one * count)
         in_pass += one * count
-    # data parallelism
+    # data parallelism: gradients reduced behind the last micro-batch's backward, or, where
+    # each stage reduces its own as its last backward ends, behind the backward of the rank's
+    # stages still running: one chunk's backward for each micro-batch of the last round apart
+    per_chunk = (n_chunks, min(v.pp, n_micro) * bwd_last / n_chunks, eff.overlap) \
+        if v.pipeline is not None and v.pipeline.reduce_per_chunk and n_chunks > 1 \
+        else (1, 0.0, eff.overlap)
     whole = attrs.evolve(v, strategy=None)
     if v.strategy in ("fully_shard", "sharded") and v.dp * v.cp > 1:
         n = v.dp_shard * v.cp if v.strategy == "fully_shard" else v.dp * v.cp
@@ -469,9 +484,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         after = v.pipeline is not None and v.pipeline.reduce_after_backward \
             and v.strategy == "fully_shard"
         window = bwd_last * reductions if v.overlap_grad_reduce and not after else 0.0
-        hidden = min(ag, compute) + min(rs, window)
-        add("dp_shard", max(0.0, ag - compute) + first + max(0.0, rs - window)
-            + eff.overlap * hidden)
+        add("dp_shard", max(0.0, ag - compute) + first + eff.overlap * min(ag, compute)
+            + _behind_chunks(rs, window, *per_chunk))
         if v.dp_replicate > 1 and v.strategy == "fully_shard":
             shard = grads / n
             add("dp_replicate", _collective("all_reduce", v.dp_replicate, shard,
@@ -482,7 +496,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         ar = _collective("all_reduce", v.dp, grads, v.group_crosses_nodes("dp"), gpu, eff,
                          v.members_per_node("dp"))
         # buckets reduced as backward fills them, the last one after it; or all after it
-        add("dp", _hidden(ar, bwd_last, eff.overlap) + ar * 25 * 2**20 / max(grads, 1)
+        add("dp", _behind_chunks(ar, bwd_last, *per_chunk) + ar * 25 * 2**20 / max(grads, 1)
             if v.overlap_grad_reduce else ar)
     # pipeline: the bubble and the sends on the critical path
     bubble = 0.0
