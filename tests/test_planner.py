@@ -725,6 +725,32 @@ def test_loras_adapters_cost_memory_traffic_beside_every_linear(monkeypatch):
     per_token = sum(5 * (forwards + 1) * k for k, _ in adapters)
     assert dropped - priced == pytest.approx(
         eff.elementwise * n_micro * layers * mbs * r.setup.seq_len * per_token / r.gpu.hbm_bw)
+    # only the linears the plan adapts (peft's classic q and v): their two adapters' traffic
+    qv = cost.step_time(s, attrs.evolve(v, adapted=("q", "v")), r.setup, r.gpu,
+                        eff)["breakdown_s"]["compute"]
+    per_token = sum(forwards * (2 * k + 8 * n) + 10 * k + 4 * n for k, n in adapters[:3:2])
+    assert qv - without == pytest.approx(
+        eff.elementwise * n_micro * layers * mbs * r.setup.seq_len * per_token / r.gpu.hbm_bw)
+
+
+@pytest.mark.parametrize("options,roles", [
+    ({"match_all_linear": True}, "q k v o gate up down"),
+    ({"target_modules": ["q_proj", "v_proj"]}, "q v"),
+    ({"target_modules": "model.layers.*.self_attn.*"}, "q k v o"),
+    ({"target_modules": ["*_proj"], "exclude_modules": ["down_proj"]}, "q k v o gate up"),
+    # names the planner does not know (Mixtral's experts, GPT-2's c_attn): every linear, the
+    # most the adapters can cost
+    ({"target_modules": ["w1", "c_attn"]}, "q k v o gate up down"),
+])
+def test_lora_declares_the_linears_it_adapts(options, roles):
+    """lora's cost record names the block linears its targets match (on the Llama family's
+    names, as its own matcher reads them), for the planner to price those adapters alone."""
+    from shardgraph.core.layout import MeshLayout
+    from shardgraph.plugins.builtin import builtin_registry
+
+    plugin = builtin_registry().get("lora")
+    cost_record = plugin.cost(plugin.options(rank=8, **options), MeshLayout(world_size=1))
+    assert cost_record.adapted == tuple(roles.split())
 
 
 def test_torchs_pipeline_stages_wait_for_fsdps_gradient_reduction():

@@ -247,52 +247,59 @@ def test_saved_activations_per_block_equal_what_torch_keeps(arch, mode, dtype):
     assert measured > 0 and -0.02 < predicted / measured - 1 < 0.06, (predicted, measured)
 
 
-def test_lora_dropout_keeps_a_dropped_copy_of_each_adapters_input():
-    """LoRA with dropout draws one copy of the input per adapter and keeps it, with its mask,
-    for the adapter's backward, where without dropout the adapters keep their frozen linears'
-    own inputs: what autograd saves in one forward of a Llama with shardgraph's ``lora`` on
-    every linear (one process, CPU, fp32), with dropout over without, against the planner's
-    bytes per token and block (counted with the CPU's mask: torch's CPU dropout keeps a noise
-    tensor in the input's dtype, a GPU's ``native_dropout`` a bool mask)."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("targets", [None, ("q_proj", "v_proj"), ("model.layers.*.self_attn.*",),
+                                     ("gate_proj", "up_proj", "down_proj"), ("o_proj",)],
+                         ids=["all", "q-v", "attention", "mlp", "o"])
+def test_a_lora_block_keeps_what_its_adapters_need(targets, dropout, monkeypatch):
+    """Under LoRA a frozen linear keeps no input for backward: a block keeps a normed hidden
+    state where an adapter reads it, down's input where down is adapted (o's is attention's
+    output, which attention keeps anyway), and each adapter its rank-wide product; with dropout
+    each adapter keeps its own dropped-out copy of its input and the mask instead of the input.
+    Measured: the tensors autograd saves (parameters aside) in one forward of a Llama with
+    shardgraph's ``lora`` (CPU, fp32), three blocks less two (a later block: below the first,
+    no input gradient is needed, so the first keeps less under dropout), against the planner's
+    bytes per token and block with the CPU's mask (a float noise tensor, where a GPU's
+    ``native_dropout`` keeps a bool mask): from 3% under to 1% over (measured -2.1% to
+    -0.1%). Counted before as every linear adapted, o's input the adapters' alone and no
+    rank-wide products: q and v alone 26% over, every linear with dropout 3.9% under."""
     import torch
     import transformers
 
     from shardgraph import Graph
-    from shardgraph.planner.memory import MASK_BYTES, act_bytes_per_token_layer
+    from shardgraph.planner import memory
 
-    layers, batch, seq = 2, 2, 256
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    batch, seq = 2, 256
+    targets_kw = {"match_all_linear": True} if targets is None else {
+        "target_modules": list(targets)}
+    graph = Graph().add("lora", rank=4, dropout=dropout, **targets_kw)
 
-    def graph(dropout: float) -> Graph:
-        return Graph().add("lora", rank=4, match_all_linear=True, dropout=dropout)
-
-    def kept(dropout: float) -> int:
+    def kept(layers: int) -> int:
         torch.manual_seed(0)
-        plan = graph(dropout).compile(world_size=1)
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+        plan = graph.compile(world_size=1)
         model = plan.apply(transformers.LlamaForCausalLM(config), plan.build_mesh("cpu")).module
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, int] = {}
 
         def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(input_ids=torch.randint(0, 64, (batch, seq))).logits.sum()
         return sum(saved.values())
 
-    measured = (kept(0.1) - kept(0.0)) / (layers * batch * seq)
+    measured = (kept(3) - kept(2)) / (batch * seq)
     pipeline = loads_pipeline(
         '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nhidden_size = 128\n'
         'intermediate_size = 384\nnum_hidden_layers = 2\nnum_attention_heads = 4\n'
         'num_key_value_heads = 2\nvocab_size = 64\n')
-    shape = model_shape(pipeline.model)
-    with_, without = (act_bytes_per_token_layer(
-        shape, plan_view(graph(d).compile(world_size=1)), 4) for d in (0.1, 0.0))
-    # a copy and a mask of q, k, v, gate and up's inputs (5 x 128), o's (128) and down's (384);
-    # the four distinct inputs (128, 128, 128, 384) no longer kept
-    inputs, distinct = 5 * 128 + 128 + 384, 128 + 128 + 128 + 384
-    assert with_ - without == (4 + MASK_BYTES) * inputs - 4 * distinct
-    cpu = with_ - without + (4 - MASK_BYTES) * inputs
-    assert measured > 0 and abs(cpu / measured - 1) < 0.06, (cpu, measured)
+    view = plan_view(graph.compile(world_size=1))
+    monkeypatch.setattr(memory, "MASK_BYTES", 4)  # the CPU's noise tensor, fp32
+    counted = memory.act_bytes_per_token_layer(model_shape(pipeline.model), view, 4)
+    assert -0.03 <= counted / measured - 1 <= 0.01, (counted, measured)

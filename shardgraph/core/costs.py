@@ -93,6 +93,11 @@ class PipelineCost:
         default=None, eq=False)
 
 
+#: a decoder block's linears by role: attention's query, key, value and output projections, the
+#: MLP's gate, up (a GELU MLP's first linear) and down (its second)
+LINEAR_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 @attrs.frozen
 class Cost:
     """One step's effect on memory and time. Every field's default is "no effect"; the planner
@@ -137,7 +142,8 @@ class Cost:
     reductions and optimizer state exist for them alone, and the frozen linears' backward runs
     no weight-gradient matmul (0: every parameter trains). ``adapter_dropout``: each adapter
     drops out its own copy of its input: it keeps that copy and the mask for backward, and
-    writes and reads them.
+    writes and reads them. ``adapted``: the block linears the adapters sit beside, by role
+    (``LINEAR_ROLES``; empty: every one).
     """
 
     states: str | None = attrs.field(
@@ -169,5 +175,7 @@ class Cost:
     loss_chunk_tokens: int = 0
     adapter_rank: int = 0
     adapter_dropout: bool = False
+    adapted: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=(
+        attrs.validators.deep_iterable(attrs.validators.in_(LINEAR_ROLES))))
     comms: tuple[Comm, ...] = ()
     pipeline: PipelineCost | None = None

@@ -177,15 +177,20 @@ def adapter_bytes(shape: ModelShape, v: PlanView, tokens: float, kind: str,
     the linear's and the sum written (8n); backward reads the output's gradient for both of
     ``up``'s matmuls (4n) and the input for ``down``'s weight gradient (2k), and writes an
     input gradient that is added to the frozen linear's (8k). k and v, gate and up: two adapters
-    over one input. With dropout (``PlanView.adapter_dropout``) each adapter draws its own
-    copy of the input: the input read, the copy and a mask written (5k) in every forward, and
-    in backward the gradient and mask read and the input's gradient written (5k)."""
-    two = 2 if kind == "moe" or shape.gated else 1
+    over one input; only the linears the plan adapts (``PlanView.adapted``). With dropout
+    (``PlanView.adapter_dropout``) each adapter draws its own copy of the input: the input
+    read, the copy and a mask written (5k) in every forward, and in backward the gradient and
+    mask read and the input's gradient written (5k)."""
+    up = ("gate", "up") if kind == "moe" or shape.gated else ("up",)
     drop = 5 if v.adapter_dropout else 0
-    return sum(m * c * k * drop * (forwards + 1)
-               + 2 * m * (forwards * (c * k + 4 * n) + 5 * c * k + 2 * n)
-               for (m, k, n), c in zip(linear_shapes(shape, v.tp, v.cp, v.ep, tokens, kind),
-                                       (1, 2, 1, two, 1)))
+    total = 0.0
+    for (m, k, n), roles in zip(linear_shapes(shape, v.tp, v.cp, v.ep, tokens, kind),
+                                (("q",), ("k", "v"), ("o",), up, ("down",))):
+        c = sum(r in v.adapted for r in roles)
+        n *= c / len(roles)  # the adapted linears' outputs (k and v share one shape)
+        total += m * c * k * drop * (forwards + 1) \
+            + 2 * m * (forwards * (c * k + 4 * n) + 5 * c * k + 2 * n)
+    return total
 
 
 @functools.cache

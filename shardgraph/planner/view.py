@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from ..core.costs import Comm, Cost, PipelineCost
+from ..core.costs import LINEAR_ROLES, Comm, Cost, PipelineCost
 from ..core.options import structure_options
 
 #: ``Cost.states`` -> the strategy names the cost model uses
@@ -65,6 +65,8 @@ class PlanView:
     adapter_rank: int = 0
     #: each adapter keeps its own dropped-out copy of its input and the mask (``Cost``)
     adapter_dropout: bool = False
+    #: the block linears that carry adapters, by role (``core.costs.LINEAR_ROLES``)
+    adapted: tuple[str, ...] = LINEAR_ROLES
     #: gradient reductions overlap backward (torch's DDP and FSDP2; Megatron-LM 2021 did not)
     overlap_grad_reduce: bool = True
     #: attention without materialised scores (flash attention, torch's SDPA)
@@ -209,7 +211,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         float8_linears=cost.float8_linears,
         activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
         loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,
-        adapter_dropout=cost.adapter_dropout,
+        adapter_dropout=cost.adapter_dropout, adapted=cost.adapted or LINEAR_ROLES,
         overlap_grad_reduce=cost.overlap_grad_reduce is not False,
         fused_elementwise=cost.fused_elementwise, fused_loss=cost.fused_loss,
         matmul_overlap=cost.matmul_overlap, overlap_p2p=cost.overlap_p2p,

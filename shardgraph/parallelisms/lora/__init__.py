@@ -189,11 +189,35 @@ def _apply(model: nn.Module, options: LoRAOptions, ctx: MeshContext, inputs: dic
     return Applied(model, values={"low_rank_adapters": value})
 
 
+#: a decoder block's linears as Hugging Face's Llama-family models name them, by role
+#: (``core.costs.LINEAR_ROLES``): what the declaration matches the targets against
+BLOCK_LINEARS = {role: f"model.layers.0.{part}_proj" for role, part in (
+    ("q", "self_attn.q"), ("k", "self_attn.k"), ("v", "self_attn.v"), ("o", "self_attn.o"),
+    ("gate", "mlp.gate"), ("up", "mlp.up"), ("down", "mlp.down"))}
+
+
+def adapted_roles(options: LoRAOptions) -> tuple[str, ...]:
+    """The block linears the targets adapt, matched against the Llama family's names; targets
+    that name none of them (another family's names) are priced as every linear, the most the
+    adapters can cost."""
+    def hit(patterns: tuple[str, ...], fqn: str) -> bool:
+        return any(matches(p, fqn) for p in patterns if isinstance(p, str))
+
+    roles = tuple(BLOCK_LINEARS) if options.match_all_linear or not isinstance(
+        options.target_modules, tuple) else tuple(
+        r for r, fqn in BLOCK_LINEARS.items() if hit(options.target_modules, fqn))
+    if isinstance(options.exclude_modules, tuple):
+        roles = tuple(r for r in roles if not hit(options.exclude_modules, BLOCK_LINEARS[r]))
+    return roles or tuple(BLOCK_LINEARS)
+
+
 def _cost(options: LoRAOptions, layout) -> Cost:
     # the planner bounds the adapters' share from the rank and skips the frozen base's
     # weight-gradient matmuls and gradient reductions (core.costs.Cost.adapter_rank); a dropout
-    # draws one copy of the input per adapter, kept for backward with its mask
-    return Cost(adapter_rank=options.rank, adapter_dropout=options.dropout > 0)
+    # draws one copy of the input per adapter, kept for backward with its mask; the adapted
+    # linears' inputs are what the frozen block still keeps for the adapters
+    return Cost(adapter_rank=options.rank, adapter_dropout=options.dropout > 0,
+                adapted=adapted_roles(options))
 
 
 PLUGIN = Plugin(
