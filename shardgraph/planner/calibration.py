@@ -109,7 +109,7 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     src = sources[r["source"]]
     from .gpus import ClusterTable
 
-    gpu = resolve_gpu(src["gpu"], ClusterTable(hbm_gib=src.get("hbm_gib"),
+    gpu = resolve_gpu(r.get("gpu", src["gpu"]), ClusterTable(hbm_gib=src.get("hbm_gib"),
                                                hbm_tbps=src.get("hbm_tbps")))
     if "calibrate_as" in src:  # the same chip run otherwise (torchtitan's H100 at 500 W)
         gpu = attrs.evolve(gpu, name=src["calibrate_as"])
@@ -143,8 +143,11 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
         plugins["activation_checkpointing"] = {"mode": r["ac"]}
     if r.get("float8"):  # the blocks' linears in float8 (torchao, as torchtitan runs it)
         plugins["float8"] = {}
-    if "lora_rank" in r:  # only low-rank adapters on every linear train (the plan's adapter_rank)
-        plugins["lora"] = {"rank": r["lora_rank"], "match_all_linear": True}
+    if "lora_rank" in r:  # only low-rank adapters train (the plan's adapter_rank): on every
+        # linear, or on the row's targets (Hugging Face's names), with the row's input dropout
+        plugins["lora"] = {"rank": r["lora_rank"], "dropout": r.get("lora_dropout", 0.0),
+                           **({"target_modules": r["lora_targets"]} if "lora_targets" in r
+                              else {"match_all_linear": True})}
     layout = MeshLayout(world_size=r["world"], gpus_per_node=8, pp=pp, dp_shard=dp, cp=cp,
                         tp=tp)
     view = view_of(layout, declared(_registry(), plugins, layout)[0])
