@@ -162,24 +162,35 @@ def test_local_config_json_is_read_without_transformers(tmp_path):
         ("Qwen3ForCausalLM", 32, 500, True)
 
 
-def test_lora_leaves_gradients_and_optimizer_state_to_the_adapters():
-    """A LoRA plan is priced with the adapters' share of gradients and AdamW state, bounded
-    from above by 2 r / hidden; the parameters stay whole."""
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["o_proj", "down_proj"]])
+def test_lora_leaves_gradients_and_optimizer_state_to_the_adapters(targets):
+    """A LoRA plan is priced with the adapters' share of gradients and AdamW state: as many
+    elements as the adapters shardgraph's ``lora`` adds to the model (counted on the model it
+    builds, every linear or the targets alone); the parameters stay whole. (Bounded before by
+    2 r / hidden of the parameters: 1.25 times the adapters on every linear of this model, 6.5
+    times q and v's.)"""
+    import transformers
+
     from shardgraph import Graph
     from shardgraph.planner.memory import trainable_share
     from shardgraph.planner.shape import shape_from_values
     from shardgraph.planner.view import Setup
 
-    shape = shape_from_values("LlamaForCausalLM", {**TINY, "hidden_size": 1024,
-                                                   "intermediate_size": 2816}, "fp32")
+    config = {**TINY, "hidden_size": 1024, "intermediate_size": 2816}
+    shape = shape_from_values("LlamaForCausalLM", config, "fp32")
     setup = Setup(seq_len=64, global_batch=4, micro_batch=None, optimizer_states=2)
+    chosen = {"match_all_linear": True} if targets is None else {"target_modules": targets}
+    graph = Graph().add("lora", rank=8, **chosen)
+    plan = graph.compile(world_size=1)
+    model = plan.apply(transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)),
+                       plan.build_mesh("cpu")).module
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable_share(shape, plan_view(plan)) * shape.n_params == pytest.approx(adapters)
     full = plan_view(Graph().add("fsdp2").compile(world_size=4))
-    lora = plan_view(Graph().add("lora", rank=8, match_all_linear=True).add("fsdp2")
-                     .compile(world_size=4))
-    assert trainable_share(shape, lora) == 2 * 8 / 1024
+    lora = plan_view(graph.add("fsdp2").compile(world_size=4))
     a, b = state_bytes(shape, full, setup)[0], state_bytes(shape, lora, setup)[0]
     assert b["params"] == a["params"]
-    assert b["optimizer"] == int(a["optimizer"] * 16 / 1024)
+    assert b["optimizer"] == int(a["optimizer"] * adapters / shape.n_params)
     assert b["grads"] < a["grads"] / 50
 
 

@@ -129,11 +129,17 @@ def held_numel(shape: ModelShape, held: Held, v: PlanView, experts: bool | None 
 
 
 def trainable_share(shape: ModelShape, v: PlanView) -> float:
-    """The share of the parameters that hold gradients and optimizer state. With LoRA of rank r
-    on a block's linears (d_in x d_out) the adapters add r (d_in + d_out), at most 2 r / hidden
-    of the weight they adapt; embeddings and head stay frozen: 2 r / hidden bounds it from
-    above (the safe side for "will it fit")."""
-    return min(1.0, 2 * v.adapter_rank / shape.hidden) if v.adapter_rank else 1.0
+    """The share of the parameters that hold gradients and optimizer state: all of them, or
+    under LoRA of rank r the adapters beside the adapted linears of every block (``PlanView.
+    adapted``), r (d_in + d_out) each; embeddings, norms and head stay frozen."""
+    if not v.adapter_rank:
+        return 1.0
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    f = shape.intermediate
+    sides = {"q": h + q, "k": h + kv, "v": h + kv, "o": q + h,
+             "gate": (h + f) if shape.gated else 0, "up": h + f, "down": f + h}
+    adapters = v.adapter_rank * sum(sides[r] for r in v.adapted) * shape.layers
+    return min(1.0, adapters / shape.n_params)
 
 
 def state_numel(shape: ModelShape, held: Held, v: PlanView) -> tuple[int, int, int]:
