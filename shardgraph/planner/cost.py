@@ -488,9 +488,9 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         # after the last backward, and wait for it (torch's), hides none of them
         after = v.pipeline is not None and v.pipeline.reduce_after_backward \
             and v.strategy == "fully_shard"
-        window = bwd_last * reductions if v.overlap_grad_reduce and not after else 0.0
+        behind = v.overlap_grad_reduce and not after
         add("dp_shard", max(0.0, ag - compute) + first + eff.overlap * min(ag, compute)
-            + _behind_chunks(rs, window, *per_chunk))
+            + (_behind_chunks(rs, bwd_last * reductions, *per_chunk) if behind else rs))
         if v.dp_replicate > 1 and v.strategy == "fully_shard":
             shard = grads / n
             add("dp_replicate", _collective("all_reduce", v.dp_replicate, shard,
