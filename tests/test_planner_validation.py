@@ -303,6 +303,11 @@ def test_megatron_reduces_each_chunks_gradients_behind_the_backward_still_to_run
     per_chunk = cal.predict(row, cal.FITTED)["step_s"] / measured - 1
     last_only = cal.predict(alone, cal.FITTED)["step_s"] / measured - 1
     assert last_only > 0.2 and per_chunk < 0.17
+    # a stack that does not overlap its reductions hides none of them, chunk by chunk or not
+    serial = attrs.evolve(alone, view=attrs.evolve(alone.view, overlap_grad_reduce=False))
+    chunked = attrs.evolve(serial, view=attrs.evolve(serial.view, pipeline=row.view.pipeline))
+    assert cal.predict(chunked, cal.FITTED) == cal.predict(serial, cal.FITTED)
+    assert cal.predict(serial, cal.FITTED)["step_s"] > cal.predict(alone, cal.FITTED)["step_s"]
     # one chunk: hidden behind the backward as a whole
     assert _behind_chunks(3.0, 2.0, 1, 0.5, 0.5) == _hidden(3.0, 2.0, 0.5) == 2.0
     # four chunks of 0.75 s: the first behind 0.5 s of its own backward, the next 1.0 s later
