@@ -161,6 +161,14 @@ def test_cli_estimate_text_and_json(tmp_path, capsys):
     assert "memory per rank" in out and "tokens/s per GPU" in out and "H200" in out
     assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H2000"]) == 2
     assert "did you mean 'H200'" in capsys.readouterr().err
+    # a LoRA plan says which linears its adapters are priced beside
+    path.write_text(path.read_text() + '[plugins.lora]\nrank = 16\ndropout = 0.05\n'
+                    'target_modules = ["q_proj", "v_proj"]\n')
+    assert main(["estimate", str(path), "--world-size", "256"]) == 0
+    assert "LoRA: rank 16 adapters beside q, v in every block, dropout" in capsys.readouterr().out
+    assert main(["estimate", str(path), "--world-size", "256", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["assumptions"]["adapters"] == {
+        "rank": 16, "on": ["q", "v"], "dropout": True}
 
 
 def test_autoplan_ranks_compiled_plans_best_first(tmp_path, capsys):

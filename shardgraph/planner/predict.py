@@ -190,6 +190,9 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             "cpu_offload_time_priced": False if offloaded else None,
             # the plan's plugins that declare no cost hook
             "not_priced": list(v.unknown),
+            # LoRA: the block linears priced with adapters (what the targets name)
+            "adapters": {"rank": v.adapter_rank, "on": list(v.adapted),
+                         "dropout": v.adapter_dropout} if v.adapter_rank else None,
             "model": {"architecture": shape.architecture, "parameters": shape.n_params,
                       "active_parameters_per_token": shape.active_params_per_token()},
         },

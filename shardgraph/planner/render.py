@@ -41,11 +41,18 @@ def render_estimate(est: dict[str, Any]) -> str:
     s = est["sizes"]
     head = "plan: " + (" x ".join(f"{k} {v}" for k, v in s.items() if v > 1) or "one GPU")
     eff = est["assumptions"]
-    return "\n".join([head, "", *memory_lines(est), "", *time_lines(est), "",
-                      f"assumptions: {eff['gpu']['name']} {eff['gpu']['peak_bf16_tflops']:.0f} "
-                      f"TFLOP/s bf16, matmul efficiency {eff['matmul_efficiency']:.0%}, NVLink "
-                      f"{eff['gpu']['intra_node_gbps']:.0f} GB/s, network "
-                      f"{eff['gpu']['network_gbps']:.0f} GB/s per GPU"])
+    lines = [head, "", *memory_lines(est), "", *time_lines(est), "",
+             f"assumptions: {eff['gpu']['name']} {eff['gpu']['peak_bf16_tflops']:.0f} "
+             f"TFLOP/s bf16, matmul efficiency {eff['matmul_efficiency']:.0%}, NVLink "
+             f"{eff['gpu']['intra_node_gbps']:.0f} GB/s, network "
+             f"{eff['gpu']['network_gbps']:.0f} GB/s per GPU"]
+    if eff.get("adapters"):
+        lora = eff["adapters"]
+        lines.append(f"LoRA: rank {lora['rank']} adapters beside {', '.join(lora['on'])} in every "
+                     f"block{', dropout on their inputs' if lora['dropout'] else ''} (read from "
+                     "the targets on the Llama family's names; names it does not know are "
+                     "priced as every linear)")
+    return "\n".join(lines)
 
 
 def render_candidates(result: dict[str, Any]) -> str:
