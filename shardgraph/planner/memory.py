@@ -217,13 +217,13 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     keeps the K/V it all-gathered (``PlanView.keeps_gathered_kv``) keeps them whole, torch's
     keeps its own (``gathered_kv_bytes``: the gathered copy). Under LoRA the frozen linears keep
     no input: a normed hidden state is kept where an adapter reads it, down's input where down
-    is adapted (``PlanView.adapted``), and each adapter its rank-wide product. Adapters with dropout (``PlanView.adapter_dropout``) each
-    keep their own dropped-out copy of their linear's input and its mask (``MASK_BYTES`` an
-    element): q, k, v, gate and up's (the block's width, whole under tp), o's and down's (split
-    by tp); the inputs themselves, which only the adapters needed, are no longer kept (o's is
-    attention's output, which attention keeps). Measured per block against autograd's saved
-    tensors on a CPU Llama, for seven sets of targets with and without dropout: exact, or
-    within 1.5% (tests/test_planner_memory.py).
+    is adapted (``PlanView.adapted``), and each adapter its rank-wide product. Adapters with
+    dropout (``PlanView.adapter_dropout``) each keep their own dropped-out copy of their
+    linear's input and its mask (``MASK_BYTES`` an element): q, k, v, gate and up's (the
+    block's width, whole under tp), o's and down's (split by tp); the inputs themselves, which
+    only the adapters needed, are no longer kept (o's is attention's output, which attention
+    keeps). Measured per block against autograd's saved tensors on a CPU Llama, for five sets
+    of targets with and without dropout: 2.1% to 0.1% under (tests/test_planner_memory.py).
     """
     h, t = shape.hidden, v.tp
     q = shape.heads * shape.head_dim
