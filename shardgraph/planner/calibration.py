@@ -6,6 +6,10 @@ the efficiency constants every estimate uses.
 better) and reports the error on the ``test`` rows, which the fit never saw. A mechanism a
 source measured on and off in one run (a pair: ``eager_twin``, ``overlap_twin``) is fitted on
 its pair alone: what a compiled block keeps, what an overlapped tp collective still costs.
+Kernels shardgraph does not run (Transformer Engine's, under Megatron-Core and NeMo) have a
+ceiling and attention share of their own, fitted on their own fit rows given the shared
+constants (``stack_fit_rows``): their rows then check the rest of the model (schedules,
+collectives, LoRA) rather than a kernel library's speed.
 
 A row's layout is priced as written in its source, also where shardgraph would lay it out
 otherwise (Megatron's data parallelism is a gradient all-reduce next to tp and pp; shardgraph's
@@ -111,8 +115,13 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
 
     gpu = resolve_gpu(r.get("gpu", src["gpu"]), ClusterTable(hbm_gib=src.get("hbm_gib"),
                                                hbm_tbps=src.get("hbm_tbps")))
-    if "calibrate_as" in src:  # the same chip run otherwise (torchtitan's H100 at 500 W)
-        gpu = attrs.evolve(gpu, name=src["calibrate_as"])
+    # the same chip run otherwise (torchtitan's H100 at 500 W), or under other kernels
+    # (Transformer Engine's): its own ceiling, fitted on its own fit rows; a table maps each
+    # GPU the source ran on
+    as_ = src.get("calibrate_as")
+    as_ = as_.get(gpu.name) if isinstance(as_, dict) else as_
+    if as_:
+        gpu = attrs.evolve(gpu, name=as_)
     tp, pp, cp = r.get("tp", 1), r.get("pp", 1), r.get("cp", 1)
     dp = r["world"] // (tp * pp * cp)
     schedule = r.get("schedule", "interleaved_1f1b")
@@ -404,9 +413,23 @@ def _efficiency(point: dict[str, float], fit_rows: list[Row]) -> tuple[float, Ef
 def joint_fit_rows() -> list[Row]:
     """The fit rows whose step times the ceilings and shared constants are fitted on: every
     one but an overlapped run of a pair (it fits the overlap's share alone, against its twin;
-    in the joint fit it would count its workload twice)."""
+    in the joint fit it would count its workload twice) and a kernel stack's (``stack_fit_rows``)."""
     return [r for r in rows() if r.split == "fit" and r.metric is not None
-            and not r.overlap_twin]
+            and not r.overlap_twin and _shared_fit(r)]
+
+
+def stack_fit_rows() -> list[Row]:
+    """The fit rows of a source that declares ``shared_fit = false``: kernels shardgraph does
+    not run (Transformer Engine's), calibrated under a name of their own (``calibrate_as``).
+    They fit that name's ceiling and attention share alone, given the shared constants: all
+    of them run in float8, and in the joint fit their ceiling and the shared float8 speed-up
+    (torchao's) would trade one for the other."""
+    return [r for r in rows() if r.split == "fit" and r.metric is not None
+            and not _shared_fit(r)]
+
+
+def _shared_fit(row: Row) -> bool:
+    return _data()["sources"][row.source].get("shared_fit", True)
 
 
 def fit() -> Efficiency:
@@ -434,11 +457,20 @@ def fit() -> Efficiency:
                 loss, found = _efficiency({**point, field: value}, fit_rows)
                 if loss < best - 1e-12:
                     best, eff, point, moved = loss, found, {**point, field: value}, True
+    stacks = stack_fit_rows()
+    shared = {g for g, _ in eff.e_max} & {r.gpu.name for r in stacks}
+    if shared:
+        raise ValueError(f"{DATA.name}: {sorted(shared)} calibrated both with the shared "
+                         "constants and alone (shared_fit = false): give its stack's rows a "
+                         "calibrate_as name of their own")
+    for g in sorted({r.gpu.name for r in stacks}):
+        _, e, a = _best_ceiling(g, [r for r in stacks if r.gpu.name == g], point)
+        eff = attrs.evolve(eff, e_max=(*eff.e_max, (g, e)), attention=(*eff.attention, (g, a)))
     return eff
 
 
 def report(eff: Efficiency = FITTED) -> str:
-    lines = [f"{'split':<5} {'row':<62} {'step s':>8} {'pub s':>8} {'err':>7} "
+    lines = [f"{'split':<5} {'row':<72} {'step s':>8} {'pub s':>8} {'err':>7} "
              f"{'GiB':>6} {'pub':>6} {'err':>7}"]
     found = errors(eff)
     for r in found:
@@ -446,7 +478,7 @@ def report(eff: Efficiency = FITTED) -> str:
         pub = "" if r["published_step_s"] is None else f"{r['published_step_s']:.2f}"
         m = "" if r["memory_error"] is None else f"{r['memory_error']:+.1%}"
         pm = "" if r["published_memory_gib"] is None else f"{r['published_memory_gib']:.1f}"
-        lines.append(f"{r['split']:<5} {r['name'][:62]:<62} {r['step_s']:>8.2f} {pub:>8} "
+        lines.append(f"{r['split']:<5} {r['name'][:72]:<72} {r['step_s']:>8.2f} {pub:>8} "
                      f"{t:>7} {r['memory_gib']:>6.1f} {pm:>6} {m:>7}")
     for split in ("fit", "test"):
         part = [r for r in found if r["split"] == split]
