@@ -43,10 +43,11 @@ _LORA_CP = ("MLPerf Training v4.0's Llama 2 70B LoRA with cp 2 on 64 and 1,024 H
             "micro-batch of 4,096 tokens a rank a step) takes 0.64 and 0.67 s a step where the "
             "8-GPU run's micro-batch of 8,192 tokens takes 0.93 s: cp 2 halves the work at 1.45 "
             "times the speed, the planner at 1.9 (-27% and -30%). Found in part: v4.1's runs of "
-            "the same layouts add per-layer CUDA graphs (LAYER_CUDA_GRAPH) and take 0.54 and "
-            "0.55 s (15% and 18% less) where the one-node run, without them, gained 1.3%: v4.0's "
-            "cp runs waited on the host launching 80 layers' kernels for one micro-batch a step "
-            "(the planner prices no launches); v4.1's are still priced -14% and -15%")
+            "the same layouts add per-layer CUDA graphs (LAYER_CUDA_GRAPH) and drop the amax "
+            "all-reduce (FP8_REDUCE_AMAX) and take 0.54 and 0.55 s (15% and 18% less) where the "
+            "one-node run gained 1.3%: v4.0's cp runs, one micro-batch of 80 layers a step, "
+            "waited mostly on the host's kernel launches, which the planner does not price; "
+            "v4.1's are still priced -14% and -15%")
 _GPT3_B200 = ("MLPerf Training v4.1's GPT-3 175B on 64 B200s (TP 4, PP 8, VP 6, 512 "
               "micro-batches of 2 a step) is priced +20%: B200's ceiling and attention share are "
               "fitted on one run, Megatron-Bridge's Llama 3 8B (data parallel, sequences of "
