@@ -330,6 +330,15 @@ def test_transformer_engines_kernels_are_calibrated_on_their_own_rows():
     assert sum(map(abs, as_h100)) / len(as_h100) > 0.08 and max(as_h100) > 0.15
 
 
+def test_a_name_is_calibrated_one_way(monkeypatch):
+    """A calibration name fitted with the shared constants cannot also be fitted alone: the fit
+    says which and how to mend it before it searches."""
+    joint = cal.joint_fit_rows()
+    monkeypatch.setattr(cal, "stack_fit_rows", lambda: [joint[0]])
+    with pytest.raises(ValueError, match="calibrate_as name of their own"):
+        cal.fit()
+
+
 def test_megatron_reduces_each_chunks_gradients_behind_the_backward_still_to_run():
     """Megatron-Core's interleaved schedule starts a model chunk's gradient reduction when its
     last micro-batch's backward ends (``grad_sync_func`` per chunk), behind the backward of the

@@ -441,7 +441,12 @@ def fit() -> Efficiency:
     goes lower (0.047 against 0.049) with constants that do worse on the held-out rows (6.2%
     against 5.2%, measured before LoRA's adapters were priced); more fit rows of one stack at
     several sizes would pin them."""
-    fit_rows = joint_fit_rows()
+    fit_rows, stacks = joint_fit_rows(), stack_fit_rows()
+    both = {r.gpu.name for r in fit_rows} & {r.gpu.name for r in stacks}
+    if both:
+        raise ValueError(f"{DATA.name}: {sorted(both)} calibrated both with the shared "
+                         "constants and alone (shared_fit = false): give the stack's rows a "
+                         "calibrate_as name of their own")
     point = {f: GRID[f][len(GRID[f]) // 2] for f in FIELDS}
     # fitted on its pairs alone (the stored constants' other fields price them): the fit
     # depends on FITTED here, and FITTED is the fixed point (its share refits to itself, which
@@ -457,12 +462,6 @@ def fit() -> Efficiency:
                 loss, found = _efficiency({**point, field: value}, fit_rows)
                 if loss < best - 1e-12:
                     best, eff, point, moved = loss, found, {**point, field: value}, True
-    stacks = stack_fit_rows()
-    shared = {g for g, _ in eff.e_max} & {r.gpu.name for r in stacks}
-    if shared:
-        raise ValueError(f"{DATA.name}: {sorted(shared)} calibrated both with the shared "
-                         "constants and alone (shared_fit = false): give its stack's rows a "
-                         "calibrate_as name of their own")
     for g in sorted({r.gpu.name for r in stacks}):
         _, e, a = _best_ceiling(g, [r for r in stacks if r.gpu.name == g], point)
         eff = attrs.evolve(eff, e_max=(*eff.e_max, (g, e)), attention=(*eff.attention, (g, a)))
