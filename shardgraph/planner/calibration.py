@@ -413,7 +413,8 @@ def _efficiency(point: dict[str, float], fit_rows: list[Row]) -> tuple[float, Ef
 def joint_fit_rows() -> list[Row]:
     """The fit rows whose step times the ceilings and shared constants are fitted on: every
     one but an overlapped run of a pair (it fits the overlap's share alone, against its twin;
-    in the joint fit it would count its workload twice) and a kernel stack's (``stack_fit_rows``)."""
+    in the joint fit it would count its workload twice) and a kernel stack's
+    (``stack_fit_rows``)."""
     return [r for r in rows() if r.split == "fit" and r.metric is not None
             and not r.overlap_twin and _shared_fit(r)]
 
@@ -440,7 +441,8 @@ def fit() -> Efficiency:
     ``x0``, ``elementwise`` and ``eager`` between them, and from other starts the same loss
     goes lower (0.047 against 0.049) with constants that do worse on the held-out rows (6.2%
     against 5.2%, measured before LoRA's adapters were priced); more fit rows of one stack at
-    several sizes would pin them."""
+    several sizes would pin them. Then each kernel stack's name (``stack_fit_rows``) takes
+    its best ceiling and attention share on its own rows, at the point found."""
     fit_rows, stacks = joint_fit_rows(), stack_fit_rows()
     both = {r.gpu.name for r in fit_rows} & {r.gpu.name for r in stacks}
     if both:
