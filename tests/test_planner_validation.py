@@ -3,20 +3,20 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
-error 6.3% over 66 rows (bound 7%; the 60 rows held out before MLPerf Training v4.1's: 6.1% ->
+error 6.5% over 68 rows (bound 7%; the 60 rows held out before MLPerf Training v4.1's: 6.1% ->
 5.7% with Transformer Engine's H100s calibrated on their own; 4.9% over the 53 before v4.0's),
 no held-out row off by more than 31% (the worst: MLPerf v4.0's Llama 2 70B LoRA with cp 2 on
 1,024 and 64 H100s, -30% and -27% (``MISSES``: the host's launches, which v4.1's CUDA graphs
-removed), torchtitan's 8B at 64k tokens with cp 2, +28%, MLPerf v4.1's GPT-3 175B on 64 B200s,
-+20% (``MISSES``), v4.1's LoRA with cp 2 on 1,024 and 64 H100s, -15% and -14%, torchtitan's 8B
+removed), torchtitan's 8B at 64k tokens with cp 2, +28%, Azure's LoRA with cp 2 on 512 H200s,
+-21%, MLPerf v4.1's GPT-3 175B on 64 B200s, +20% (``MISSES``), v4.1's LoRA with cp 2 on 1,024 and 64 H100s, -15% and -14%, torchtitan's 8B
 on 32 and 64 H200s priced with H100's ceiling, -13%, NeMo AutoModel's Qwen2.5 7B LoRA on one
 GPU, +12% (its liger-kernel norms and activations priced eager), torchtitan's 405B pipelines of
 Table 5, -12% (interleaved) and -11% (1F1B), its 8B at 32k, +11%, MLPerf v4.1's LoRA with cp 2
 on 8 H200s and 8 B200s, -11% and -10%, Megatron-Bridge's 405B with cp 2 on 1,024 H100s, -10%,
 torchtitan's 70B float8 with async TP, +9% (torch's async TP of June 2025 hides more than the
 December 2024 pair its share is fitted on), and AutoModel's 70B FSDP 32 x CP 2, +9%; Transformer
-Engine's other H100 and H200 rows, Megatron-Bridge's and MLPerf's GPT-3 and one-node LoRA runs,
--7.3% to +4.6%); held-out memory MAPE 4.3%
+Engine's other H100 and H200 rows, Megatron-Bridge's and MLPerf's GPT-3 (Oracle's on 1,536
+H100s -6.6%) and one-node LoRA runs, -7.3% to +4.6%); held-out memory MAPE 4.3%
 over 16 rows (bound 10%), none more than 5% under a measured peak (the furthest: torchtitan's
 405B 1F1B of Table 5 and its 405B at 256k tokens with cp 8, -4.7%; bound -5%), its 405B
 interleaved +19.6% (measured 10 GiB under 1F1B, which no count of what torch's schedules hold
@@ -53,6 +53,11 @@ _GPT3_B200 = ("MLPerf Training v4.1's GPT-3 175B on 64 B200s (TP 4, PP 8, VP 6, 
               "fitted on one run, Megatron-Bridge's Llama 3 8B (data parallel, sequences of "
               "8,192: its attention a large share), which does not separate them; the same "
               "run's H100s, calibrated on a GPT-3 run and a Llama one, are within 2%")
+_H200_CP = ("Microsoft Azure's Llama 2 70B LoRA on 512 H200s (NVIDIA's v4.1 recipe for cp 2: tp 4, "
+            "per-layer CUDA graphs, one micro-batch a step) is priced -21%: Transformer Engine's "
+            "runs with cp are all under (the same layout on 64 and 1,024 H100s -14% and -15%) and "
+            "H200's further (torchtitan's H200 runs -13%, MLPerf's one-node H200 runs -7% and "
+            "-11%): H200 is priced with H100's ceiling, and no H200 run is a fit row")
 _CP2_64K = ("torchtitan's Llama 3.1 8B at 64k tokens with cp 2 (Table 2) is priced +28%: each "
             "rank holds 32k tokens in its four runs (cp 1 to 8 at 32k to 256k), whose step times "
             "give one unit of causal attention 6.2, 5.35, 7.1 and 7.2 s: no one rate fits them "
@@ -62,7 +67,8 @@ _CP2_64K = ("torchtitan's Llama 3.1 8B at 64k tokens with cp 2 (Table 2) is pric
 MISSES = {"Llama 3.1 8B FSDP 4 CP 2 seq 64k + compile + Float8 (Table 2)": _CP2_64K,
           "Llama 2 70B LoRA r16 TP 4 CP 2 64 H100 FP8 (MLPerf Training v4.0)": _LORA_CP,
           "Llama 2 70B LoRA r16 TP 4 CP 2 1024 H100 FP8 (MLPerf Training v4.0)": _LORA_CP,
-          "GPT-3 175B TP 4 PP 8 VP 6 64 B200 FP8 (MLPerf Training v4.1)": _GPT3_B200}
+          "GPT-3 175B TP 4 PP 8 VP 6 64 B200 FP8 (MLPerf Training v4.1)": _GPT3_B200,
+          "Llama 2 70B LoRA r16 TP 4 CP 2 512 H200 FP8 (MLPerf Training v4.1, Azure)": _H200_CP}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=why))
@@ -273,9 +279,9 @@ def test_each_schedule_family_against_its_published_pipelines():
     405B Tables 5 and 6, pp 8, 8 micro-batches; Megatron-LM 2021 at pp 2 and 64) and
     interleaved 1F1B (Megatron-LM 2021 at pp 4 to 35, torchtitan's Table 5, the Llama 3
     paper's pp 16, Megatron-Bridge's pp 8 with 5 and 8 chunks, MLPerf's GPT-3 at pp 8 with 4 and
-    6 and at pp 6 with 8):
+    6 (NVIDIA's and Oracle's) and at pp 6 with 8):
     each row within 15% (but ``MISSES``), each family's mean within 8%. Measured:
-    1F1B -10.9% to +6.7% (mean +0.2%), interleaved -11.8% to +5.9% (mean -0.4%; MLPerf
+    1F1B -10.9% to +6.7% (mean +0.2%), interleaved -11.8% to +5.9% (mean -0.6%; MLPerf
     v4.1's GPT-3 on 64 B200s, a miss, +19.8%)."""
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     families: dict[str, list[float]] = {}
@@ -307,14 +313,15 @@ def test_transformer_engines_kernels_are_calibrated_on_their_own_rows():
     (GPT-3 175B on 256 H100s, whose attention is 2% of its FLOPs, and Llama 2 70B LoRA on one
     node, sequences of 8,192), given the shared constants, which they do not move. The held-out
     rows of that stack without cp (Megatron-Bridge's three, MLPerf's GPT-3 on 512 to 11,616
-    H100s, its one-node LoRA runs) are then within 8%, MAPE 3.3%; priced with H100's ceiling
-    (Meta's Llama 3 runs) they were 9.3%, GPT-3's up to +17%. With cp they stay under (-10% to
-    -15%; v4.0's LoRA, waiting on the host, -27% and -30%): what Transformer Engine's cp costs
-    beside the planner's ring is not found."""
+    H100s, NVIDIA's and Oracle's, its one-node LoRA runs) are then within 8%, MAPE 3.7%; priced
+    with H100's ceiling (Meta's Llama 3 runs) they were 9.3%, GPT-3's up to +17%. With cp they
+    stay under (-10% to -15%; v4.0's LoRA, waiting on the host, -27% and -30%; Azure's H200s
+    -21%): what Transformer Engine's cp costs beside the planner's ring is not found."""
     te = [r for r in cal.rows() if r.gpu.name == "H100-SXM-TE"]
     assert {r.source for r in te} == {"megatron_bridge_h100", "mlperf_v40_gpt3",
                                       "mlperf_v40_llama2_lora", "mlperf_v41_gpt3",
-                                      "mlperf_v41_llama2_lora"}
+                                      "mlperf_v41_llama2_lora", "mlperf_v41_oracle_gpt3",
+                                      "mlperf_v41_azure_llama2_lora"}
     assert not set(te) & set(cal.joint_fit_rows()) and set(cal.stack_fit_rows()) < set(te)
     held = [r for r in te if r.split == "test" and r.view.cp == 1]
     assert len(held) >= 8
