@@ -441,8 +441,11 @@ def fit() -> Efficiency:
     ``x0``, ``elementwise`` and ``eager`` between them, and from other starts the same loss
     goes lower (0.047 against 0.049) with constants that do worse on the held-out rows (6.2%
     against 5.2%, measured before LoRA's adapters were priced); more fit rows of one stack at
-    several sizes would pin them. Then each kernel stack's name (``stack_fit_rows``) takes
-    its best ceiling and attention share on its own rows, at the point found."""
+    several sizes would pin them. The search is as fragile as that says: Transformer Engine's
+    two fit rows in the joint fit, or B200's 8B row out of it, each moved it to another point
+    (x0 100 or 200, float8 1.9 or 2.0, every ceiling) whose held-out MAPE was 7.2% to 7.6%
+    against 6.3%. Then each kernel stack's name (``stack_fit_rows``) takes its best ceiling and
+    attention share on its own rows, at the point found."""
     fit_rows, stacks = joint_fit_rows(), stack_fit_rows()
     both = {r.gpu.name for r in fit_rows} & {r.gpu.name for r in stacks}
     if both:
