@@ -444,8 +444,9 @@ def fit() -> Efficiency:
     several sizes would pin them. The search is as fragile as that says: Transformer Engine's
     two fit rows in the joint fit, or B200's 8B row out of it, each moved it to another point
     (x0 100 or 200, float8 1.9 or 2.0, every ceiling) whose held-out MAPE was 7.2% to 7.6%
-    against 6.3%. Then each kernel stack's name (``stack_fit_rows``) takes its best ceiling and
-    attention share on its own rows, at the point found."""
+    against 6.3% at FITTED (then 66 held-out rows). Then each kernel stack's name
+    (``stack_fit_rows``) takes its best ceiling and attention share on its own rows, at the
+    point found."""
     fit_rows, stacks = joint_fit_rows(), stack_fit_rows()
     both = {r.gpu.name for r in fit_rows} & {r.gpu.name for r in stacks}
     if both:
