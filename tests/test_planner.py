@@ -156,9 +156,16 @@ def test_cli_estimate_text_and_json(tmp_path, capsys):
     assert main(["estimate", str(path), "--world-size", "256", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert KEYS <= set(data)
+    curve = data["assumptions"]["efficiency_curve"]
+    assert curve["calibrated_on_this_gpu"] and curve["priced_as"] == "H100-SXM"
     assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H200"]) == 0
     out = capsys.readouterr().out
     assert "memory per rank" in out and "tokens/s per GPU" in out and "H200" in out
+    # H200 has no fitted constants of its own: the estimate says whose price it
+    assert "no published run on H200 is fitted" in out and "with H100-SXM's constants" in out
+    assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H200", "--json"]) == 0
+    curve = json.loads(capsys.readouterr().out)["assumptions"]["efficiency_curve"]
+    assert not curve["calibrated_on_this_gpu"] and curve["priced_as"] == "H100-SXM"
     assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H2000"]) == 2
     assert "did you mean 'H200'" in capsys.readouterr().err
     # a LoRA plan says which linears its adapters are priced beside

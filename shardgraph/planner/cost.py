@@ -98,7 +98,15 @@ class Efficiency:
         return found.get(gpu, found.get("H100-SXM" if gpu == "H200" else self.fallback, default))
 
     def calibrated(self, gpu: str) -> bool:
-        return gpu in dict(self.e_max) or gpu == "H200"
+        """Whether ``gpu`` has constants of its own, fitted on published runs on it."""
+        return gpu in dict(self.e_max)
+
+    def priced_as(self, gpu: str) -> str:
+        """The name whose ceiling and attention share price ``gpu`` (``_for``'s choice)."""
+        found = dict(self.e_max)
+        if gpu in found:
+            return gpu
+        return "H100-SXM" if gpu == "H200" and "H100-SXM" in found else self.fallback
 
 
 def layer_flops_per_token(shape: ModelShape, seq: int, layer: int) -> float:

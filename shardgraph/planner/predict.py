@@ -183,7 +183,8 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                                  "eager": eff.eager, "overlap": eff.overlap,
                                  "attention": eff.attention_share(gpu.name),
                                  "float8": eff.float8 if gpu.fp8 else None,
-                                 "calibrated_on_this_gpu": eff.calibrated(gpu.name)},
+                                 "calibrated_on_this_gpu": eff.calibrated(gpu.name),
+                                 "priced_as": eff.priced_as(gpu.name)},
             # cpu_offload's memory is priced (nothing on the GPU); its host transfers and the
             # CPU optimizer step are not
             "cpu_offload": offloaded,

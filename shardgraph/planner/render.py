@@ -46,6 +46,11 @@ def render_estimate(est: dict[str, Any]) -> str:
              f"TFLOP/s bf16, matmul efficiency {eff['matmul_efficiency']:.0%}, NVLink "
              f"{eff['gpu']['intra_node_gbps']:.0f} GB/s, network "
              f"{eff['gpu']['network_gbps']:.0f} GB/s per GPU"]
+    curve = eff["efficiency_curve"]
+    if not curve["calibrated_on_this_gpu"]:
+        lines.append(f"efficiency: no published run on {eff['gpu']['name']} is fitted; its "
+                     f"matmuls and attention are priced with {curve['priced_as']}'s constants "
+                     "(README, How accurate)")
     if eff.get("adapters"):
         lora = eff["adapters"]
         lines.append(f"LoRA: rank {lora['rank']} adapters beside {', '.join(lora['on'])} in every "
