@@ -95,7 +95,10 @@ class Efficiency:
         """``gpu``'s entry of a per-GPU table, else ``fallback``'s (H200 is H100's compute die
         with more and faster HBM: H100's)."""
         found = dict(table)
-        return found.get(gpu, found.get("H100-SXM" if gpu == "H200" else self.fallback, default))
+        return found.get(self._name(found, gpu), default)
+
+    def _name(self, found: dict[str, float], gpu: str) -> str:
+        return gpu if gpu in found else "H100-SXM" if gpu == "H200" else self.fallback
 
     def calibrated(self, gpu: str) -> bool:
         """Whether ``gpu`` has constants of its own, fitted on published runs on it."""
@@ -103,10 +106,7 @@ class Efficiency:
 
     def priced_as(self, gpu: str) -> str:
         """The name whose ceiling and attention share price ``gpu`` (``_for``'s choice)."""
-        found = dict(self.e_max)
-        if gpu in found:
-            return gpu
-        return "H100-SXM" if gpu == "H200" and "H100-SXM" in found else self.fallback
+        return self._name(dict(self.e_max), gpu)
 
 
 def layer_flops_per_token(shape: ModelShape, seq: int, layer: int) -> float:
