@@ -262,13 +262,14 @@ def _loss(eff: Efficiency, fit_rows: list[Row]) -> float:
     return total / sum(weights)
 
 
-def _best_ceiling(g: str, mine: list[Row], fields: dict[str, float]) -> tuple[float, float,
-                                                                               float]:
-    """The grid's best (loss, e_max, attention) for one GPU's rows: for each attention share,
-    every other e_max, then its neighbours (the loss is unimodal in e_max)."""
+def _best_ceiling(g: str, mine: list[Row], fields: dict[str, float],
+                  attention: float | None = None) -> tuple[float, float, float]:
+    """The grid's best (loss, e_max, attention) for one GPU's rows: for each attention share
+    (or the one given), every other e_max, then its neighbours (the loss is unimodal in
+    e_max)."""
     grid = GRID["e_max"]
     best = None
-    for a in GRID["attention"]:
+    for a in GRID["attention"] if attention is None else [attention]:
         def loss(i: int) -> tuple[float, float, float]:
             return (_loss(Efficiency(((g, grid[i]),), attention=((g, a),), **fields), mine),
                     grid[i], a)
@@ -446,13 +447,24 @@ def fit() -> Efficiency:
     (x0 100 or 200, float8 1.9 or 2.0, every ceiling) whose held-out MAPE was 7.2% to 7.6%
     against 6.3% at FITTED (then 66 held-out rows). Then each kernel stack's name
     (``stack_fit_rows``) takes its best ceiling and attention share on its own rows, at the
-    point found."""
+    point found (a name whose attention share is another's, ``attention_as``, its ceiling alone:
+    H200 under Transformer Engine, one fit row)."""
     fit_rows, stacks = joint_fit_rows(), stack_fit_rows()
     both = {r.gpu.name for r in fit_rows} & {r.gpu.name for r in stacks}
     if both:
         raise ValueError(f"{DATA.name}: {sorted(both)} calibrated both with the shared "
                          "constants and alone (shared_fit = false): give the stack's rows a "
                          "calibrate_as name of their own")
+    # a name whose attention share is another's ([calibration.NAME] attention_as) is fitted
+    # after that one, its ceiling alone
+    names = {g: c.get("attention_as") for g, c in _data().get("calibration", {}).items()}
+    fitted = {r.gpu.name for r in fit_rows} | {
+        r.gpu.name for r in stacks if not names.get(r.gpu.name)}
+    unknown = sorted(f"[calibration.{g}] attention_as = {a!r}" for g, a in names.items()
+                     if a and a not in fitted)
+    if unknown:
+        raise ValueError(f"{DATA.name}: {'; '.join(unknown)} names no calibration fitted on "
+                         f"rows of its own (fitted: {sorted(fitted)})")
     point = {f: GRID[f][len(GRID[f]) // 2] for f in FIELDS}
     # fitted on its pairs alone (the stored constants' other fields price them): the fit
     # depends on FITTED here, and FITTED is the fixed point (its share refits to itself, which
@@ -468,8 +480,10 @@ def fit() -> Efficiency:
                 loss, found = _efficiency({**point, field: value}, fit_rows)
                 if loss < best - 1e-12:
                     best, eff, point, moved = loss, found, {**point, field: value}, True
-    for g in sorted({r.gpu.name for r in stacks}):
-        _, e, a = _best_ceiling(g, [r for r in stacks if r.gpu.name == g], point)
+    for g in sorted({r.gpu.name for r in stacks}, key=lambda g: (bool(names.get(g)), g)):
+        shared = names.get(g)
+        _, e, a = _best_ceiling(g, [r for r in stacks if r.gpu.name == g], point,
+                                dict(eff.attention)[shared] if shared else None)
         eff = attrs.evolve(eff, e_max=(*eff.e_max, (g, e)), attention=(*eff.attention, (g, a)))
     return eff
 
