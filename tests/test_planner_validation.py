@@ -9,24 +9,24 @@ v5.0's runs: 6.5% -> 6.3% with H200's Transformer Engine ceiling fitted on Dell'
 MLPerf Training v4.1's: 6.1% -> 5.7% with Transformer Engine's H100s calibrated on their own;
 4.9% over the 53 before v4.0's), no held-out row off by more than 31% (the worst: MLPerf v4.0's
 Llama 2 70B LoRA with cp 2 on 1,024 and 64 H100s, -30% and -27% (``MISSES``: the host's
-launches, which v4.1's CUDA graphs removed), torchtitan's 8B at 64k tokens with cp 2, +28%, MLPerf v4.1's GPT-3 175B on
-64 B200s, +20%, Azure's LoRA with cp 2 on 512 H200s, -18%, Dell's with cp 2 on 64 H100s, -15.5%
-(``MISSES``), NVIDIA's v4.1 LoRA with cp 2 on 1,024 and 64 H100s, -15% and -14%, torchtitan's 8B
-on 32 and 64 H200s priced with H100's ceiling, -13%, NeMo AutoModel's Qwen2.5 7B LoRA on one
-GPU, +12% (its liger-kernel norms and activations priced eager), torchtitan's 405B pipelines of
-Table 5, -12% (interleaved) and -11% (1F1B), its 8B at 32k, +11%, MLPerf v4.1's LoRA with cp 2
-on 8 B200s, -10%, Megatron-Bridge's 405B with cp 2 on 1,024 H100s, -10%, torchtitan's 70B float8
-with async TP, +9% (torch's async TP of June 2025 hides more than the December 2024 pair its
-share is fitted on), and AutoModel's 70B FSDP 32 x CP 2, +9%; Transformer Engine's other H100
-and H200 rows, Megatron-Bridge's and MLPerf's GPT-3 (Oracle's on 1,536 H100s -6.6%) and LoRA
-runs without cp or on one node, -6.6% to +4.6%); held-out memory MAPE 4.3%
-over 16 rows (bound 10%), none more than 5% under a measured peak (the furthest: torchtitan's
-405B 1F1B of Table 5 and its 405B at 256k tokens with cp 8, -4.7%; bound -5%), its 405B
-interleaved +19.6% (measured 10 GiB under 1F1B, which no count of what torch's schedules hold
-explains), its other 4D runs +3% to +5%, its 8B long-sequence runs +4% to +5%, its 8B runs of
-Tables 1 and 3 +1.2% to +3.4% (a compiled block keeps a fitted 0.87 of what an eager one keeps,
-whose RMSNorm keeps an fp32 copy of its input), its 2025 runs on H200 +1.3% and -0.5% (their
-loss compiled).
+launches, which v4.1's CUDA graphs removed), torchtitan's 8B at 64k tokens with cp 2, +28%,
+MLPerf v4.1's GPT-3 175B on 64 B200s, +20%, Azure's LoRA with cp 2 on 512 H200s, -18%, Dell's
+with cp 2 on 64 H100s, -15.5% (``MISSES``), NVIDIA's v4.1 LoRA with cp 2 on 1,024 and 64 H100s,
+-15% and -14%, torchtitan's 8B on 32 and 64 H200s priced with H100's ceiling, -13%, NeMo
+AutoModel's Qwen2.5 7B LoRA on one GPU, +12% (its liger-kernel norms and activations priced
+eager), torchtitan's 405B pipelines of Table 5, -12% (interleaved) and -11% (1F1B), its 8B at
+32k, +11%, MLPerf v4.1's LoRA with cp 2 on 8 B200s, -10%, Megatron-Bridge's 405B with cp 2 on
+1,024 H100s, -10%, torchtitan's 70B float8 with async TP, +9% (torch's async TP of June 2025
+hides more than the December 2024 pair its share is fitted on), and AutoModel's 70B FSDP 32 x CP
+2, +9%; Transformer Engine's other H100 and H200 rows, Megatron-Bridge's and MLPerf's GPT-3
+(Oracle's on 1,536 H100s -6.6%) and LoRA runs without cp or on one node, -6.6% to +4.6%);
+held-out memory MAPE 4.3% over 16 rows (bound 10%), none more than 5% under a measured peak (the
+furthest: torchtitan's 405B 1F1B of Table 5 and its 405B at 256k tokens with cp 8, -4.7%; bound
+-5%), its 405B interleaved +19.6% (measured 10 GiB under 1F1B, which no count of what torch's
+schedules hold explains), its other 4D runs +3% to +5%, its 8B long-sequence runs +4% to +5%,
+its 8B runs of Tables 1 and 3 +1.2% to +3.4% (a compiled block keeps a fitted 0.87 of what an
+eager one keeps, whose RMSNorm keeps an fp32 copy of its input), its 2025 runs on H200 +1.3% and
+-0.5% (their loss compiled).
 Run ``python -m shardgraph.planner.calibration`` for the full table.
 """
 
