@@ -103,6 +103,13 @@ def _shape(m: dict[str, Any]) -> ModelShape:
         return ModelShape(architecture="MegatronGPT", vocab=51200, hidden=h, layers=m["layers"],
                           heads=heads, kv_heads=heads, head_dim=h // heads, intermediate=4 * h,
                           tied=True, attention_bias=True, mlp_bias=True, gated=False)
+    if m["kind"] == "qwen3_moe":  # every block's MLP routed: top_k of experts experts
+        return ModelShape(architecture="Qwen3MoeForCausalLM", vocab=m["vocab"], hidden=h,
+                          layers=m["layers"], heads=heads, kv_heads=m["kv_heads"],
+                          head_dim=m["head_dim"], intermediate=m["moe_intermediate"],
+                          qk_norm=True, experts=m["experts"], top_k=m["top_k"],
+                          moe_intermediate=m["moe_intermediate"],
+                          moe_layers=tuple(range(m["layers"])))
     return ModelShape(architecture="LlamaForCausalLM", vocab=m["vocab"], hidden=h,
                       layers=m["layers"], heads=heads, kv_heads=m["kv_heads"],
                       head_dim=h // heads, intermediate=m["intermediate"],
@@ -122,7 +129,7 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     as_ = as_.get(gpu.name) if isinstance(as_, dict) else as_
     if as_:
         gpu = attrs.evolve(gpu, name=as_)
-    tp, pp, cp = r.get("tp", 1), r.get("pp", 1), r.get("cp", 1)
+    tp, pp, cp, ep = r.get("tp", 1), r.get("pp", 1), r.get("cp", 1), r.get("ep", 1)
     dp = r["world"] // (tp * pp * cp)
     schedule = r.get("schedule", "interleaved_1f1b")
     if pp > 1 and r["model"]["layers"] < 2 * pp:
@@ -148,6 +155,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
             plugins["pp"]["stages_per_rank"] = r["stages_per_rank"]
     if cp > 1:
         plugins["cp"] = {"size": cp, "attention": src.get("cp_attention", "ring")}
+    if ep > 1:  # the experts split over ep ranks of the data-parallel ones
+        plugins["ep"] = {"size": ep}
     if r["ac"] in ("full", "selective"):
         plugins["activation_checkpointing"] = {"mode": r["ac"]}
     if r.get("float8"):  # the blocks' linears in float8 (torchao, as torchtitan runs it)
@@ -158,7 +167,7 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                            **({"target_modules": r["lora_targets"]} if "lora_targets" in r
                               else {"match_all_linear": True})}
     layout = MeshLayout(world_size=r["world"], gpus_per_node=8, pp=pp, dp_shard=dp, cp=cp,
-                        tp=tp)
+                        tp=tp, ep=ep)
     view = view_of(layout, declared(_registry(), plugins, layout)[0])
     # the software of the source, where it differs from torch's (a row may say otherwise)
     stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",
