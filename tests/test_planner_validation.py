@@ -77,11 +77,14 @@ _MOE_SMALL = ("Megatron-Bridge's Qwen3 30B-A3B on 16 H100s (pp 2 x ep 8, 128 exp
               "planner prices its experts' matmuls on the dense linears' intensity curve and "
               "nothing of the router, the tokens' permutation or the grouped GEMMs' launches: "
               "the planner's mixture-of-experts step times are calibrated on no run")
-_MOE_EP32 = ("Megatron-Bridge's Qwen3 235B-A22B on 256 H100s (tp 2 x pp 8 x ep 32: each ep group "
-             "over 8 nodes) is priced +87%: the dispatch's all-to-alls across nodes are priced "
-             "on the critical path, 29.7 s of the 38.8 priced, more than the whole measured step "
-             "(20.8 s); the recipe overlaps them with another micro-batch's compute "
-             "(moe_a2a_overlap), which the planner does not price")
+_MOE_EP32 = ("Megatron-Bridge's Qwen3 235B-A22B on 256 H100s (tp 2 x pp 8 x ep 32, ep groups "
+             "across nodes) is priced +87%: the dispatch's all-to-alls are priced on the "
+             "critical path, 29.7 s of the 38.8 priced, more than the whole measured step "
+             "(20.8 s). shardgraph's ep conflicts with tp (its MoE mesh has no room for tp), so "
+             "the row's tp 2 and ep 32 are priced by the two declarations side by side: each "
+             "rank routes the whole micro-batch's tokens, where Megatron's sequence parallelism "
+             "gives each tp rank half (halved, the row is +15%); and the recipe overlaps the "
+             "all-to-alls with another micro-batch's compute (moe_a2a_overlap), not priced")
 _CP2_64K = ("torchtitan's Llama 3.1 8B at 64k tokens with cp 2 (Table 2) is priced +28%: each "
             "rank holds 32k tokens in its four runs (cp 1 to 8 at 32k to 256k), whose step times "
             "give one unit of causal attention 6.2, 5.35, 7.1 and 7.2 s: no one rate fits them "
