@@ -172,7 +172,16 @@ def test_cli_estimate_text_and_json(tmp_path, capsys):
     path.write_text(path.read_text() + '[plugins.lora]\nrank = 16\ndropout = 0.05\n'
                     'target_modules = ["q_proj", "v_proj"]\n')
     assert main(["estimate", str(path), "--world-size", "256"]) == 0
-    assert "LoRA: rank 16 adapters beside q, v in every block, dropout" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "LoRA: rank 16 adapters beside q, v in every block, dropout" in out
+    assert "mixture of experts" not in out
+    # a mixture of experts' step time is not validated, and the estimate says so
+    moe = str(Path(__file__).parents[1] / "examples" / "ep_fsdp2_moe.toml")
+    assert main(["estimate", moe, "--world-size", "2"]) == 0
+    assert "mixture of experts: the step time is not validated" in capsys.readouterr().out
+    assert main(["estimate", moe, "--world-size", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["assumptions"]["model"][
+        "step_time_validated"] is False
     assert main(["estimate", str(path), "--world-size", "256", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["assumptions"]["adapters"] == {
         "rank": 16, "on": ["q", "v"], "dropout": True}

@@ -51,6 +51,10 @@ def render_estimate(est: dict[str, Any]) -> str:
         lines.append(f"efficiency: no published run on {eff['gpu']['name']} is fitted; its "
                      f"matmuls and attention are priced with {curve['priced_as']}'s constants "
                      "(README, How accurate)")
+    if not eff["model"]["step_time_validated"]:
+        lines.append("mixture of experts: the step time is not validated; the published MoE "
+                     "runs it was checked against are off by far more than 15% "
+                     "(README, How accurate)")
     if eff.get("adapters"):
         lora = eff["adapters"]
         lines.append(f"LoRA: rank {lora['rank']} adapters beside {', '.join(lora['on'])} in every "
