@@ -182,6 +182,8 @@ def test_cli_estimate_text_and_json(tmp_path, capsys):
     assert main(["estimate", moe, "--world-size", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["assumptions"]["model"][
         "step_time_validated"] is False
+    assert main(["plan", "--auto", moe, "--world-size", "2"]) == 0
+    assert "mixture of experts: the step time is not validated" in capsys.readouterr().out
     assert main(["estimate", str(path), "--world-size", "256", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["assumptions"]["adapters"] == {
         "rank": 16, "on": ["q", "v"], "dropout": True}

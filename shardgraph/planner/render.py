@@ -37,6 +37,21 @@ def time_lines(est: dict[str, Any]) -> list[str]:
     return lines
 
 
+def caveat_lines(est: dict[str, Any]) -> list[str]:
+    """What the estimate's time rests on that no published run confirms."""
+    eff = est["assumptions"]
+    curve, lines = eff["efficiency_curve"], []
+    if not curve["calibrated_on_this_gpu"]:
+        lines.append(f"efficiency: no published run on {eff['gpu']['name']} is fitted; its "
+                     f"matmuls and attention are priced with {curve['priced_as']}'s constants "
+                     "(README, How accurate)")
+    if not eff["model"]["step_time_validated"]:
+        lines.append("mixture of experts: the step time is not validated; the published MoE "
+                     "runs it was checked against are off by far more than 15% "
+                     "(README, How accurate)")
+    return lines
+
+
 def render_estimate(est: dict[str, Any]) -> str:
     s = est["sizes"]
     head = "plan: " + (" x ".join(f"{k} {v}" for k, v in s.items() if v > 1) or "one GPU")
@@ -46,15 +61,7 @@ def render_estimate(est: dict[str, Any]) -> str:
              f"TFLOP/s bf16, matmul efficiency {eff['matmul_efficiency']:.0%}, NVLink "
              f"{eff['gpu']['intra_node_gbps']:.0f} GB/s, network "
              f"{eff['gpu']['network_gbps']:.0f} GB/s per GPU"]
-    curve = eff["efficiency_curve"]
-    if not curve["calibrated_on_this_gpu"]:
-        lines.append(f"efficiency: no published run on {eff['gpu']['name']} is fitted; its "
-                     f"matmuls and attention are priced with {curve['priced_as']}'s constants "
-                     "(README, How accurate)")
-    if not eff["model"]["step_time_validated"]:
-        lines.append("mixture of experts: the step time is not validated; the published MoE "
-                     "runs it was checked against are off by far more than 15% "
-                     "(README, How accurate)")
+    lines += caveat_lines(est)
     if eff.get("adapters"):
         lora = eff["adapters"]
         lines.append(f"LoRA: rank {lora['rank']} adapters beside {', '.join(lora['on'])} in every "
@@ -77,7 +84,7 @@ def render_candidates(result: dict[str, Any]) -> str:
               f"{c.get('seconds', 0):.2f} s", "", "best plan:"]
     best = rows[0]
     lines += ["  " + line for line in _toml(best).splitlines()]
-    lines += ["", *memory_lines(best), "", *time_lines(best)]
+    lines += ["", *memory_lines(best), "", *time_lines(best), *caveat_lines(best)]
     if result["why"]:
         lines += ["", "why:", *("  " + w for w in result["why"])]
     if result.get("software"):
