@@ -103,7 +103,7 @@ def _shape(m: dict[str, Any]) -> ModelShape:
         return ModelShape(architecture="MegatronGPT", vocab=51200, hidden=h, layers=m["layers"],
                           heads=heads, kv_heads=heads, head_dim=h // heads, intermediate=4 * h,
                           tied=True, attention_bias=True, mlp_bias=True, gated=False)
-    if m["kind"] == "qwen3_moe":  # every block's MLP routed: top_k of experts experts
+    if m["kind"] == "qwen3_moe":  # every block's MLP routed: each token to top_k experts
         return ModelShape(architecture="Qwen3MoeForCausalLM", vocab=m["vocab"], hidden=h,
                           layers=m["layers"], heads=heads, kv_heads=m["kv_heads"],
                           head_dim=m["head_dim"], intermediate=m["moe_intermediate"],
@@ -155,7 +155,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
             plugins["pp"]["stages_per_rank"] = r["stages_per_rank"]
     if cp > 1:
         plugins["cp"] = {"size": cp, "attention": src.get("cp_attention", "ring")}
-    if ep > 1:  # the experts split over ep ranks of the data-parallel ones
+    if ep > 1:  # the experts split over ep of the data-parallel ranks (shardgraph's ep runs
+        # beside fsdp2 alone, without tp: a row's other axes are priced beside it as declared)
         plugins["ep"] = {"size": ep}
     if r["ac"] in ("full", "selective"):
         plugins["activation_checkpointing"] = {"mode": r["ac"]}
