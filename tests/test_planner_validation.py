@@ -62,16 +62,17 @@ _GPT3_B200 = ("MLPerf Training v4.1's GPT-3 175B on 64 B200s (TP 4, PP 8, VP 6, 
 _H200_CP = ("Microsoft Azure's Llama 2 70B LoRA on 512 H200s (NVIDIA's v4.1 recipe for cp 2: tp 4, "
             "per-layer CUDA graphs, one micro-batch a step) is priced -18%: the runs of that "
             "recipe are all under (on 64 and 1,024 H100s, NVIDIA's and Dell's, -14% to -15.5%: "
-            "one micro-batch a step and a cost per step not priced), and Azure's H200s took 5% "
+            "tp 4 x cp 2 with one micro-batch a step: a cost not found), and Azure's H200s took 5% "
             "longer a sample than NVIDIA's H100s on 1,024 GPUs, where H200's ceiling (fitted on "
             "Dell's one-node run, 0.77 against H100's 0.81) prices them 4% faster")
 _LORA_CP_DELL = ("Dell's run of NVIDIA's v4.1 recipe for cp 2 on 64 H100s (tp 4, per-layer "
                  "CUDA graphs, FP8 attention off, one micro-batch a step) took 2% longer a "
                  "sample than NVIDIA's (0.0691 s against 0.0677) and is priced -15.5% where "
-                 "NVIDIA's is -13.7%: the LoRA runs of one micro-batch a step are all under (-14% "
-                 "to -18%), where MLPerf v5.0's 405B runs with tp 8 x cp 2 and 24 to 288 "
-                 "micro-batches a step are within 6%: a cost per step (70-100 ms) that the "
-                 "planner does not price, not cp's")
+                 "NVIDIA's is -13.7%: the LoRA runs with tp 4 x cp 2 and one micro-batch a step "
+                 "are all under (-14% to -18%), where MLPerf v5.0's 405B runs with tp 8 x cp 2 "
+                 "and 24 to 288 micro-batches a step are within 6% and its data-parallel LoRA on "
+                 "B200, one micro-batch a step, -3.5%: neither cp nor one micro-batch alone; what "
+                 "they pay is not found")
 _MOE_SMALL = ("Megatron-Bridge's Qwen3 30B-A3B on 16 H100s (pp 2 x ep 8, 128 experts of width 768, "
               "8 a token) is priced -67%: it ran at 121 model TFLOP/s a GPU, 12% of peak; the "
               "planner prices its experts' matmuls on the dense linears' intensity curve and "
@@ -359,8 +360,9 @@ def test_transformer_engines_kernels_are_calibrated_on_their_own_rows():
     Llama 3 runs) they were 8.4%, GPT-3's up to +17%. With cp: MLPerf v5.0's Llama 3.1 405B
     (tp 8 x cp 2 on 512 to 8,192 H100s, tp 4 x cp 2 on 512 and 1,024 H200s, 24 to 288
     micro-batches a step) within 6%, the one-node LoRA runs with cp 2 on H200 (2 micro-batches a
-    step) within 7%; the LoRA runs of one micro-batch a step under (-14% to -18%; v4.0's,
-    waiting on the host's launches, -27% and -30%): a cost per step, not cp's, not priced."""
+    step) within 7%; the LoRA runs with tp 4 x cp 2 and one micro-batch a step under (-14% to
+    -18%; v4.0's, waiting on the host's launches, -27% and -30%), where v5.0's data-parallel
+    LoRA on B200, one micro-batch a step, is -3.5%: what they pay is not found."""
     te = [r for r in cal.rows() if r.gpu.name in ("H100-SXM-TE", "H200-TE")]
     assert {r.source for r in te} == {"megatron_bridge_h100", "mlperf_v40_gpt3",
                                       "mlperf_v40_llama2_lora", "mlperf_v41_gpt3",
