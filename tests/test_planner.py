@@ -805,3 +805,24 @@ def test_torchs_pipeline_stages_wait_for_fsdps_gradient_reduction():
                              v.group_crosses_nodes("dp_shard_cp"), row.gpu, eff,
                              v.members_per_node("dp_shard_cp"))
     assert rs > 0.1 and waits - hides == pytest.approx((1 - eff.overlap) * rs)
+
+
+def test_an_all_to_all_across_nodes_sends_to_the_peers_in_its_node_over_nvlink():
+    """ep's dispatch is an all-to-all: of what a rank sends, the share for the k - 1 peers in its
+    node rides NVLink and the share for the n - k outside goes over its own NIC, at once. On
+    2 nodes of 8 (ep 16) half the bytes stay in the node: half the time a network-only price
+    gives; with one member a node (k = 1) every byte but the rank's own crosses; inside one node
+    nothing changes."""
+    from shardgraph.planner.cost import _collective
+    from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.gpus import PRESETS
+
+    gpu, nbytes = PRESETS["H100-SXM"], 256e6
+    lat = gpu.inter_latency * 4
+    over_nics = 15 / 16 * nbytes / (gpu.inter_bw * FITTED.comm_eff)
+    two_nodes = _collective("all_to_all", 16, nbytes, True, gpu, FITTED, per_node=8)
+    assert two_nodes - lat == pytest.approx(8 / 15 * over_nics)
+    assert _collective("all_to_all", 16, nbytes, True, gpu, FITTED, per_node=1) - lat \
+        == pytest.approx(over_nics)
+    inside = _collective("all_to_all", 8, nbytes, False, gpu, FITTED, per_node=8)
+    assert inside == _collective("all_to_all", 8, nbytes, False, gpu, FITTED)

@@ -227,9 +227,16 @@ def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
     """``per_node``: members of the group in one node. NCCL's rings cross each node once per
     channel, one channel per NIC: a group with k members in a node moves its inter-node
     traffic over k NICs at once (and every byte over NVLink as well), as nccl-tests' bus
-    bandwidth across nodes is the node's NICs together, not one GPU's."""
+    bandwidth across nodes is the node's NICs together, not one GPU's. An all-to-all is no
+    ring: each rank sends its share for the k - 1 peers in its node over NVLink and the rest
+    over its own NIC, at once."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if kind == "all_to_all" and crosses:
+        k = max(1, min(per_node, n))
+        return gpu.inter_latency * math.ceil(math.log2(n)) + max(
+            (n - k) / n * nbytes / (gpu.inter_bw * eff.comm_eff),
+            (k - 1) / n * nbytes / (gpu.intra_bw * eff.comm_eff))
     bw = (min(gpu.inter_bw * per_node, gpu.intra_bw) if crosses else gpu.intra_bw) \
         * eff.comm_eff
     lat = gpu.inter_latency if crosses else gpu.intra_latency
@@ -439,7 +446,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         one = _collective("p2p" if c.kind == "ring" else c.kind, n,
                           comm_bytes(shape, v, c.size, tokens) * (n - 1 if c.kind == "ring"
                                                                   else 1),
-                          v.group_crosses_nodes(c.axis), gpu, eff)
+                          v.group_crosses_nodes(c.axis), gpu, eff,
+                          v.members_per_node(c.axis) if c.kind == "all_to_all" else 1)
         if c.kind == "ring":
             # the exchanges hide behind attention on the chunks already received
             one = _hidden(one, attention_s * (n - 1) / n, eff.overlap)
