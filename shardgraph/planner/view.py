@@ -124,7 +124,7 @@ class PlanView:
                  "pp": self.world, "ep": self.ep * self.tp}[axis]
         return inner > self.gpus_per_node
 
-    def members_per_node(self, axis: str) -> int:
+    def members_in_node(self, axis: str) -> int:
         """Members of one ``axis`` group in one node (the axes inside it fill the node
         first)."""
         size = {"tp": self.tp, "cp": self.cp, "dp_shard": self.dp_shard,
@@ -133,9 +133,12 @@ class PlanView:
         stride = {"tp": 1, "cp": self.tp, "dp_shard": self.cp * self.tp,
                   "dp_shard_cp": self.tp, "dp_replicate": self.dp_shard * self.cp * self.tp,
                   "dp": self.tp, "pp": self.world // self.pp, "ep": self.tp}[axis]
-        if not self.pooled_nics:
-            return 1
         return max(1, min(size, self.gpus_per_node // stride))
+
+    def members_per_node(self, axis: str) -> int:
+        """The NICs one ``axis`` group's rings use in a node: its members there, or one where
+        the stack used one NIC per GPU (``pooled_nics``)."""
+        return self.members_in_node(axis) if self.pooled_nics else 1
 
 
 def step_costs(plan) -> tuple[list[Cost], list[str]]:
