@@ -826,3 +826,33 @@ def test_an_all_to_all_across_nodes_sends_to_the_peers_in_its_node_over_nvlink()
         == pytest.approx(over_nics)
     inside = _collective("all_to_all", 8, nbytes, False, gpu, FITTED, per_node=8)
     assert inside == _collective("all_to_all", 8, nbytes, False, gpu, FITTED)
+
+
+def test_a_short_reduction_costs_a_matmul_its_tiles_fixed_share():
+    """Each output tile of a matmul fills its pipeline and writes its result once, whatever its
+    reduction length k: a matmul runs at k / (k + k0) of the intensity curve (k0 fitted, 128;
+    the neighbour test keeps it the fit's). tp's row-parallel shards reduce over width / tp:
+    at the same intensity the planner's efficiency of torchtitan's Llama 3.1 8B falls further
+    from FSDP 8 to FSDP 8 x TP 8 than without k0 (held out, that row -4.6% -> -2.1%; over the
+    held-out rows of dense models 6.3% -> 6.1%, Megatron-LM 2021's deep and shallow pipelines'
+    mean errors 7.5 -> 5.6 points apart), and a matmul with a long k is barely touched."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import efficiency, linear_shapes
+    from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.memory import microbatches
+
+    assert FITTED.k0 > 0
+    rows = {r.name: r for r in cal.rows()}
+    fsdp = rows["Llama 3.1 8B FSDP 8 H100 (Table 1)"]
+    tp = rows["Llama 3.1 8B FSDP 8 TP 8 64 H100 bf16 + compile (vanilla TP)"]
+
+    def eff(row, k0):
+        tokens = microbatches(row.view, row.setup)[0] * row.setup.seq_len
+        e = attrs.evolve(FITTED, k0=k0)
+        return efficiency(row.shape, row.view, e, row.gpu.name, tokens)
+
+    assert eff(tp, FITTED.k0) / eff(fsdp, FITTED.k0) < eff(tp, 0.0) / eff(fsdp, 0.0)
+    assert min(k for _, k, _ in linear_shapes(tp.shape, 8, 1, 1, 8192, "dense")) == 512
+    assert eff(fsdp, FITTED.k0) / eff(fsdp, 0.0) > 1 - 1.5 * FITTED.k0 / 4096

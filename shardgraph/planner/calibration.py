@@ -42,6 +42,7 @@ DATA = Path(__file__).with_name("published.toml")
 GRID = {
     "e_max": [round(0.30 + 0.01 * i, 2) for i in range(61)],
     "x0": [0.0, 100.0, 200.0, 400.0, 800.0, 1500.0, 3000.0],
+    "k0": [0.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0],
     "comm_eff": [0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
     "elementwise": [0.0, 0.5, 1.0, 1.5, 2.0],
     "eager": [1.0, 2.0, 4.0, 6.0, 8.0, 10.0],
@@ -50,7 +51,7 @@ GRID = {
     "float8": [round(1.0 + 0.1 * i, 1) for i in range(11)],
 }
 #: the fields ``fit`` searches besides each GPU's e_max
-FIELDS = ("x0", "comm_eff", "elementwise", "eager", "overlap", "float8")
+FIELDS = ("x0", "k0", "comm_eff", "elementwise", "eager", "overlap", "float8")
 
 
 @attrs.frozen

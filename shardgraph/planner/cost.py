@@ -64,6 +64,10 @@ class Efficiency:
     #: (GPU preset, e_max); a GPU without measurements uses ``fallback``'s
     e_max: tuple[tuple[str, float], ...] = (("A100-80GB", 0.6), ("H100-SXM", 0.5))
     x0: float = 300.0
+    #: the reduction length a matmul's tile pays for once, whatever its own (filling its
+    #: pipeline, writing its output): a matmul with k inputs a row runs at k / (k + k0) of the
+    #: intensity curve
+    k0: float = 0.0
     comm_eff: float = 0.7
     fallback: str = "H100-SXM"
     #: multiplier on the counted memory traffic of a block's elementwise work
@@ -203,23 +207,27 @@ def adapter_bytes(shape: ModelShape, v: PlanView, tokens: float, kind: str,
 
 @functools.cache
 def _intensity_share(shape: ModelShape, tp: int, cp: int, ep: int, tokens: float, kind: str,
-                     x0: float) -> float:
+                     x0: float, k0: float) -> float:
     flops = time = 0.0
     for m, k, n in linear_shapes(shape, tp, cp, ep, tokens, kind):
         x = 1.0 / (1.0 / m + 1.0 / k + 1.0 / n)
         flops += k * n
-        time += k * n * (x + x0) / x
+        time += k * n * (x + x0) / x * (k + k0) / k
     return flops / time
 
 
 def efficiency(shape: ModelShape, v: PlanView, eff: Efficiency, gpu: str, tokens: float,
                kind: str = "dense") -> float:
     """The share of peak a block's matmuls reach: each at ``e_max x / (x + x0)`` of its
-    arithmetic intensity ``x = 1 / (1/m + 1/k + 1/n)`` (FLOPs per element moved, halved),
-    together as their FLOPs weigh (a time-weighted, harmonic mean). Narrow tp shards of a wide
-    model keep the other two dimensions large: its vanilla-tp runs are not the narrow
-    matmuls the per-GPU width ``hidden / tp`` alone would price."""
-    return eff.ceiling(gpu) * _intensity_share(shape, v.tp, v.cp, v.ep, tokens, kind, eff.x0)
+    arithmetic intensity ``x = 1 / (1/m + 1/k + 1/n)`` (FLOPs per element moved, halved) and
+    ``k / (k + k0)`` of that for its reduction length k (each output tile fills its pipeline
+    and writes its result once, a cost its k-loop amortises: a narrow model's matmuls and tp's
+    row-parallel shards, k = width / tp, pay it most), together as their FLOPs weigh (a
+    time-weighted, harmonic mean). Narrow tp shards of a wide model keep the other two
+    dimensions large: its vanilla-tp runs are not the narrow matmuls the per-GPU width
+    ``hidden / tp`` alone would price."""
+    return eff.ceiling(gpu) * _intensity_share(shape, v.tp, v.cp, v.ep, tokens, kind, eff.x0,
+                                               eff.k0)
 
 
 def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
