@@ -75,8 +75,10 @@ _LORA_CP_DELL = ("Dell's run of NVIDIA's v4.1 recipe for cp 2 on 64 H100s (tp 4,
                  "NVIDIA's is -13.2%: the LoRA runs with tp 4 x cp 2 and one micro-batch a step "
                  "are all under (-13% to -17%), where MLPerf v5.0's 405B runs with tp 8 x cp 2 "
                  "and 24 to 288 micro-batches a step are within 6% and its data-parallel LoRA on "
-                 "B200, one micro-batch a step, -4.4%: neither cp nor one micro-batch alone; what "
-                 "they pay is not found")
+                 "B200, one micro-batch a step, -4.4%: neither cp nor one micro-batch alone. Dell's "
+                 "2- and 4-node runs of the layout, 4 and 2 micro-batches a step, took 0.546 and "
+                 "0.538 s a micro-batch, its 8-node run 0.553 for its one: the cost is per "
+                 "micro-batch, not per step; what it is is not found")
 _MOE_SMALL = ("Megatron-Bridge's Qwen3 30B-A3B (128 experts of width 768, 8 a token) on 16 H100s "
               "(pp 2 x ep 8) and on 8 B200s (ep 8) is priced -66% and -74%, and its Qwen3 "
               "235B-A22B on 64 B200s (pp 8 x ep 8, every ep group in a node) -50%: they ran at "
