@@ -66,9 +66,10 @@ _GPT3_B200 = ("MLPerf Training v4.1's GPT-3 175B on 64 B200s (TP 4, PP 8, VP 6, 
 _H200_CP = ("Microsoft Azure's Llama 2 70B LoRA on 512 H200s (NVIDIA's v4.1 recipe for cp 2: tp 4, "
             "per-layer CUDA graphs, one micro-batch a step) is priced -17%: the runs of that "
             "recipe are all under (on 64 and 1,024 H100s, NVIDIA's and Dell's, -13% to -15%: "
-            "tp 4 x cp 2 with one micro-batch a step: a cost not found), and Azure's H200s took 5% "
-            "longer a sample than NVIDIA's H100s on 1,024 GPUs, where H200's ceiling (fitted on "
-            "Dell's one-node run, 0.78 against H100's 0.82) prices them 4% faster")
+            "tp 4 x cp 2 with one micro-batch a step: a cost not found), and Azure's H200s took 4% "
+            "longer a step than NVIDIA's H100s on 1,024 GPUs (one micro-batch a rank a step both), "
+            "where H200's ceiling (fitted on Dell's one-node run, 0.78 against H100's 0.82) and "
+            "faster memory price them 0.7% longer")
 _LORA_CP_DELL = ("Dell's run of NVIDIA's v4.1 recipe for cp 2 on 64 H100s (tp 4, per-layer "
                  "CUDA graphs, FP8 attention off, one micro-batch a step) took 2% longer a "
                  "sample than NVIDIA's (0.0691 s against 0.0677) and is priced -15.0% where "
