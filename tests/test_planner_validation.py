@@ -740,3 +740,23 @@ def test_a_compiled_loss_keeps_the_logits_in_the_compute_dtype():
     # a plan's loss is eager unless its compile step compiles it (tests/test_planner.py)
     from shardgraph.planner.view import PlanView
     assert attrs.fields_dict(PlanView)["fused_loss"].default is False
+
+
+def test_the_moe_caveat_says_what_the_published_moe_rows_say():
+    """``estimate``'s MoE line (render.caveat_lines) states the held-out MoE rows' measured over
+    priced step: 2 to 4 times where every ep group sits in a node, 0.6 times where ep crosses
+    nodes. Its figures are written in the text; this keeps them the rows'."""
+    from shardgraph.planner.render import caveat_lines
+
+    est = {"assumptions": {"efficiency_curve": {"calibrated_on_this_gpu": True},
+                           "model": {"step_time_validated": False}, "gpu": {}}}
+    line = next(x for x in caveat_lines(est) if x.startswith("mixture of experts"))
+    assert "2 to 4 times" in line and "0.6 times" in line
+    inside, across = [], []
+    for r in cal.rows():
+        if r.shape.is_moe and r.split == "test":
+            ratio = r.published_step_s() / cal.predict(r, cal.FITTED)["step_s"]
+            crosses = r.view.group_crosses_nodes("ep")
+            (across if crosses else inside).append(round(ratio, 1))
+    assert inside and across and all(2.0 <= x <= 4.0 for x in inside), inside
+    assert all(x == 0.6 for x in across), across
