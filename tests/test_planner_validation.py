@@ -3,29 +3,31 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage
-error 6.1% over the 83 rows of dense models (bound 6.5%; 6.3% before a matmul's short
-reduction was priced, cost.efficiency's k0; 5.9% over the 81 before Oracle's two MLPerf v5.0
-LoRA runs), 8.9% over 87 with Megatron-Bridge's four Qwen3 mixture-of-experts rows, -74% to
-+74% (bound 9.5%: the planner's MoE step times are calibrated on no run; ``MISSES``); MLPerf
-Training v5.0's seven Llama 3.1 405B runs -5.4% to +0.1%, its Llama 2 70B LoRA on 8 B200s
--4.4%, Oracle's on 64 B200s with cp 8 -6.6% and on 512 H200s without CUDA graphs -40%
-(``MISSES``: Azure's run of the same code and layout with them took 28% less); the 68 rows
-held out before Dell's, Lenovo's and v5.0's runs: 6.5% -> 6.3% with H200's Transformer Engine
-ceiling fitted on Dell's; the 60 before MLPerf Training v4.1's: 6.1% -> 5.7% with Transformer
-Engine's H100s calibrated on their own; 4.9% over the 53 before v4.0's), no held-out row off by
-more than 75% (the worst: the MoE rows and Oracle's run without CUDA graphs, then MLPerf v4.0's
-Llama 2 70B LoRA with cp 2 on 1,024 and 64 H100s, -30% and -26% (``MISSES``: the host's
-launches, which v4.1's CUDA graphs removed), torchtitan's 8B at 64k tokens with cp 2,
-+28%, MLPerf v4.1's GPT-3 175B on 64 B200s, +21%, Azure's LoRA with cp 2 on 512 H200s, -17%,
-Dell's with cp 2 on 64 H100s, -15.0% (``MISSES``), NVIDIA's v4.1 LoRA with cp 2 on 1,024 and 64
-H100s, -14% and -13%, NeMo AutoModel's Qwen2.5 7B LoRA on one GPU, +13% (its liger-kernel norms
-and activations priced eager), torchtitan's 405B pipelines of Table 5, -13% (interleaved) and
--12% (1F1B), its 8B on 32 and 64 H200s priced with H100's ceiling, -12%, MLPerf v4.1's LoRA with
-cp 2 on 8 B200s, -11%, its 8B at 32k, +11%, Megatron-Bridge's 405B with cp 2 on
-1,024 H100s, -9%, torchtitan's 70B float8 with async TP, +9% (torch's async TP of June 2025
-hides more than the December 2024 pair its share is fitted on), and AutoModel's 70B FSDP 32 x CP
-2, +8%; Transformer Engine's other H100 and H200 rows, Megatron-Bridge's and MLPerf's GPT-3
-(Oracle's on 1,536 H100s -6.6%) and LoRA runs without cp or on one node, -6.6% to +4.6%);
+error 5.9% over the 83 rows of dense models (bound 6%; 6.1% before Transformer Engine's FP8
+attention was priced, cost.Efficiency.float8_attention; 6.3% before a matmul's short reduction
+was priced, cost.efficiency's k0; 5.9% over the 81 before Oracle's two MLPerf v5.0 LoRA runs),
+8.6% over 87 with Megatron-Bridge's four Qwen3 mixture-of-experts rows, -74% to +76% (bound 9%:
+the planner's MoE step times are calibrated on no run; ``MISSES``); MLPerf Training v5.0's seven
+Llama 3.1 405B runs -4.4% to +0.1%, its Llama 2 70B LoRA on 8 B200s -6.1%, Oracle's on 64 B200s
+with cp 8 -8.3% and on 512 H200s without CUDA graphs -38% (``MISSES``: Azure's run of the same
+code and layout with them took 28% less); the 68 rows held out before Dell's, Lenovo's and
+v5.0's runs: 6.5% -> 6.3% with H200's Transformer Engine ceiling fitted on Dell's; the 60 before
+MLPerf Training v4.1's: 6.1% -> 5.7% with Transformer Engine's H100s calibrated on their own;
+4.9% over the 53 before v4.0's), no held-out row off by more than 80% (the worst: the MoE rows
+and Oracle's run without CUDA graphs, then MLPerf v4.0's Llama 2 70B LoRA with cp 2 on 1,024 and
+64 H100s, -29% and -25% (``MISSES``: the host's launches, which v4.1's CUDA graphs removed),
+torchtitan's 8B at 64k tokens with cp 2, +28%, MLPerf v4.1's GPT-3 175B on 64 B200s, +21%
+(``MISSES``), Azure's LoRA with tp 4 x cp 2 on 512 H200s, -14% (-17% with its bf16 attention
+priced as the one-node runs' FP8 attention), MLPerf v4.1's LoRA with cp 2 on 8 B200s, -13%, NeMo
+AutoModel's Qwen2.5 7B LoRA on one GPU, +13% (its liger-kernel norms and activations priced
+eager), torchtitan's 405B pipelines of Table 5, -13% (interleaved) and -12% (1F1B), its 8B on 32
+and 64 H200s priced with H100's ceiling, -12%, Dell's LoRA with tp 4 x cp 2 on 64 H100s, -11%,
+its 8B at 32k, +11%, NVIDIA's v4.1 LoRA with tp 4 x cp 2 on 1,024 and 64 H100s, -10% and -9%,
+torchtitan's 70B float8 with async TP, +9% (torch's async TP of June 2025 hides more than the
+December 2024 pair its share is fitted on), Megatron-Bridge's 405B with cp 2 on 1,024 H100s, -9%,
+Oracle's LoRA with cp 8 on 64 B200s, -8%, and AutoModel's 70B FSDP 32 x CP 2, +8%; Transformer
+Engine's other H100 and H200 rows, Megatron-Bridge's and MLPerf's GPT-3 (Oracle's on 1,536 H100s
+-7.4%) and LoRA runs without cp or on one node, -7.4% to +5.9%);
 held-out memory MAPE 4.3% over 16 rows (bound 10%), none more than 5% under a measured peak (the
 furthest: torchtitan's 405B 1F1B of Table 5 and its 405B at 256k tokens with cp 8, -4.7%; bound
 -5%), its 405B interleaved +19.6% (measured 10 GiB under 1F1B, which no count of what torch's
@@ -42,44 +44,30 @@ import attrs
 import pytest
 
 from shardgraph.planner import calibration as cal
+from shardgraph.planner.cost import step_time
+from shardgraph.planner.gpus import resolve_gpu
 
-TIME_MAPE_BOUND = 0.065  # the dense models' rows
-TIME_MAPE_BOUND_WITH_MOE = 0.095  # and Megatron-Bridge's four Qwen3 MoE rows (-74% to +74%)
-TIME_ROW_BOUND = 0.75  # Megatron-Bridge's Qwen3s: 235B-A22B on H100 +74.0%, 30B-A3B on B200 -74.0%
+TIME_MAPE_BOUND = 0.06  # the dense models' rows
+TIME_MAPE_BOUND_WITH_MOE = 0.09  # and Megatron-Bridge's four Qwen3 MoE rows (-74% to +76%)
+TIME_ROW_BOUND = 0.8  # Megatron-Bridge's Qwen3s: 235B-A22B on H100 +75.9%, 30B-A3B on B200 -74.0%
 MEMORY_MAPE_BOUND = 0.10
 MEMORY_UNDER_BOUND = cal.UNDER  # the safe direction: at most 5% under a measured peak
 
 _LORA_CP = ("MLPerf Training v4.0's Llama 2 70B LoRA with cp 2 on 64 and 1,024 H100s (one "
             "micro-batch of 4,096 tokens a rank a step) takes 0.64 and 0.67 s a step where the "
             "8-GPU run's micro-batch of 8,192 tokens takes 0.93 s: cp 2 halves the work at 1.45 "
-            "times the speed, the planner at 1.9 (-26% and -30%). Found in part: v4.1's runs of "
+            "times the speed, the planner at 1.9 (-25% and -29%). Found in part: v4.1's runs of "
             "the same layouts add per-layer CUDA graphs (LAYER_CUDA_GRAPH) and drop the amax "
             "all-reduce (FP8_REDUCE_AMAX) and take 0.54 and 0.55 s (15% and 18% less) where the "
             "one-node run gained 1.3%: v4.0's cp runs, one micro-batch of 80 layers a step, "
             "waited mostly on the host's kernel launches, which the planner does not price; "
-            "v4.1's are still priced -13% and -14%")
+            "v4.1's, which also turned FP8 attention off (FP8_DPA = 0; v4.0's cp runs kept it "
+            "on as the 8-GPU runs do), are priced -10% and -9%")
 _GPT3_B200 = ("MLPerf Training v4.1's GPT-3 175B on 64 B200s (TP 4, PP 8, VP 6, 512 "
               "micro-batches of 2 a step) is priced +21%: B200's ceiling and attention share are "
               "fitted on one run, Megatron-Bridge's Llama 3 8B (data parallel, sequences of "
               "8,192: its attention a large share), which does not separate them; the same "
-              "run's H100s, calibrated on a GPT-3 run and a Llama one, are within 2%")
-_H200_CP = ("Microsoft Azure's Llama 2 70B LoRA on 512 H200s (NVIDIA's v4.1 recipe for cp 2: tp 4, "
-            "per-layer CUDA graphs, one micro-batch a step) is priced -17%: the runs of that "
-            "recipe are all under (on 64 and 1,024 H100s, NVIDIA's and Dell's, -13% to -15%: "
-            "tp 4 x cp 2 with one micro-batch a step: a cost not found), and Azure's H200s took 4% "
-            "longer a step than NVIDIA's H100s on 1,024 GPUs (one micro-batch a rank a step both), "
-            "where H200's ceiling (fitted on Dell's one-node run, 0.78 against H100's 0.82) and "
-            "faster memory price them 0.7% longer")
-_LORA_CP_DELL = ("Dell's run of NVIDIA's v4.1 recipe for cp 2 on 64 H100s (tp 4, per-layer "
-                 "CUDA graphs, FP8 attention off, one micro-batch a step) took 2% longer a "
-                 "sample than NVIDIA's (0.0691 s against 0.0677) and is priced -15.0% where "
-                 "NVIDIA's is -13.2%: the LoRA runs with tp 4 x cp 2 and one micro-batch a step "
-                 "are all under (-13% to -17%), where MLPerf v5.0's 405B runs with tp 8 x cp 2 "
-                 "and 24 to 288 micro-batches a step are within 6% and its data-parallel LoRA on "
-                 "B200, one micro-batch a step, -4.4%: neither cp nor one micro-batch alone. Dell's "
-                 "2- and 4-node runs of the layout, 4 and 2 micro-batches a step, took 0.546 and "
-                 "0.538 s a micro-batch, its 8-node run 0.553 for its one: the cost is per "
-                 "micro-batch, not per step; what it is is not found")
+              "run's H100s, calibrated on a GPT-3 run and a Llama one, are within 3%")
 _MOE_SMALL = ("Megatron-Bridge's Qwen3 30B-A3B (128 experts of width 768, 8 a token) on 16 H100s "
               "(pp 2 x ep 8) and on 8 B200s (ep 8) is priced -66% and -74%, and its Qwen3 "
               "235B-A22B on 64 B200s (pp 8 x ep 8, every ep group in a node) -50%: they ran at "
@@ -109,7 +97,7 @@ _NO_GRAPHS = ("Oracle's MLPerf v5.0 Llama 2 70B LoRA on 512 H200s is Azure's v4.
               "NVIDIA v4.1 code, layout tp 4 x cp 2, batch 64, one micro-batch of 4,096 tokens "
               "a rank a step, GPUs) without per-layer CUDA graphs (LAYER_CUDA_GRAPH unset: "
               "enable_cuda_graph False) and took 0.793 s a step against Azure's 0.572, 39% "
-              "more, priced -40%: each layer's kernels launched by the host one micro-batch at "
+              "more, priced -38%: each layer's kernels launched by the host one micro-batch at "
               "a time set the pace; the planner prices no kernel launch. (MLPerf v4.0's runs of "
               "the layout without graphs, NeMo 24.04, took 0.64 and 0.67 s: no one host cost "
               "per layer prices both versions within 15%)")
@@ -118,8 +106,6 @@ MISSES = {"Llama 3.1 8B FSDP 4 CP 2 seq 64k + compile + Float8 (Table 2)": _CP2_
           "Llama 2 70B LoRA r16 TP 4 CP 2 64 H100 FP8 (MLPerf Training v4.0)": _LORA_CP,
           "Llama 2 70B LoRA r16 TP 4 CP 2 1024 H100 FP8 (MLPerf Training v4.0)": _LORA_CP,
           "GPT-3 175B TP 4 PP 8 VP 6 64 B200 FP8 (MLPerf Training v4.1)": _GPT3_B200,
-          "Llama 2 70B LoRA r16 TP 4 CP 2 512 H200 FP8 (MLPerf Training v4.1, Azure)": _H200_CP,
-          "Llama 2 70B LoRA r16 TP 4 CP 2 64 H100 FP8 (MLPerf Training v4.1, Dell)": _LORA_CP_DELL,
           "Qwen3 30B-A3B TP 1 PP 2 VP 24 EP 8 16 H100 FP8 (Megatron-Bridge 25.11)": _MOE_SMALL,
           "Qwen3 235B-A22B TP 2 PP 8 VP 4 EP 32 256 H100 FP8 (Megatron-Bridge 25.11)": _MOE_EP32,
           "Qwen3 30B-A3B EP 8 8 B200 FP8-MX (Megatron-Bridge 25.11)": _MOE_SMALL,
@@ -367,8 +353,8 @@ def test_mlperf_llama2_lora_on_one_node():
     micro-batches) and 8 H200s (tp 2, 2), v4.1's 8 H100s, NVIDIA's (a fit row of Transformer
     Engine's H100 ceiling) and Dell's (tp 4, 4), Dell's 8 H200s (tp 2, 2; the fit row of its
     H200 ceiling), v5.0's 8 B200s (data parallel, one micro-batch a step): within 8% (measured
-    -2.7%, -2.9%, -1.4%, -2.0%, -0.1% and -4.4%; priced as adapters on every linear and with
-    H100's ceiling, the v4.0 H100 run was +6.9%)."""
+    -1.5%, -2.6%, -0.2%, -0.7%, +0.2% and -6.1%, each with its FP8 attention; priced as
+    adapters on every linear and with H100's ceiling, the v4.0 H100 run was +6.9%)."""
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     rows = [r for r in cal.rows() if r.source.endswith("_llama2_lora") and r.view.cp == 1]
     assert len(rows) == 6 and all(r.view.adapted == ("q", "k", "v", "o") for r in rows)
@@ -383,15 +369,16 @@ def test_transformer_engines_kernels_are_calibrated_on_their_own_rows():
     sequences of 8,192), given the shared constants, which they do not move; their H200 rows
     under ``H200-TE`` (below). The held-out rows of that stack without cp (Megatron-Bridge's
     three, MLPerf's GPT-3 on 512 to 11,616 H100s, NVIDIA's and Oracle's, its one-node LoRA runs,
-    NVIDIA's and Dell's) are then within 7%, MAPE 3.0%; priced with H100's ceiling (Meta's
+    NVIDIA's and Dell's) are then within 7.5%, MAPE 3.6%; priced with H100's ceiling (Meta's
     Llama 3 runs) they are 8.3%, GPT-3's up to +16%. With cp: MLPerf v5.0's Llama 3.1 405B
     (tp 8 x cp 2 on 512 to 8,192 H100s, tp 4 x cp 2 on 512 and 1,024 H200s, 24 to 288
     micro-batches a step) within 6%, the one-node LoRA runs with cp 2 on H200 (2 micro-batches a
-    step) within 7%; the LoRA runs with tp 4 x cp 2 and one micro-batch a step under (-13% to
-    -17%; v4.0's, waiting on the host's launches, -26% and -30%; Oracle's v5.0 run of Azure's
-    without its per-layer CUDA graphs took 39% longer, -40%), where v5.0's data-parallel LoRA on
-    B200, one micro-batch a step, is -4.4% and Oracle's on 64 B200s with cp 8 (CUDA graphs of the
-    whole step) -6.6%: what the runs with per-layer graphs pay is not found."""
+    step) within 3%; the LoRA runs with tp 4 x cp 2 and one micro-batch a step under (-9% to
+    -14% with per-layer CUDA graphs; v4.0's, waiting on the host's launches, -25% and -29%;
+    Oracle's v5.0 run of Azure's without its per-layer CUDA graphs took 39% longer, -38%), where
+    v5.0's data-parallel LoRA on B200, one micro-batch a step, is -6.1% and Oracle's on 64 B200s
+    with cp 8 (CUDA graphs of the whole step) -8.3%: what the runs with per-layer graphs pay is
+    not found (``tp_cp_lora``)."""
     te = [r for r in cal.rows() if r.gpu.name in ("H100-SXM-TE", "H200-TE")]
     assert {r.source for r in te} == {"megatron_bridge_h100", "mlperf_v40_gpt3",
                                       "mlperf_v40_llama2_lora", "mlperf_v41_gpt3",
@@ -419,15 +406,25 @@ def test_transformer_engines_kernels_are_calibrated_on_their_own_rows():
     assert sum(map(abs, as_h100)) / len(as_h100) > 0.08 and max(as_h100) > 0.15
 
 
+def tp_cp_lora(row) -> bool:
+    """MLPerf's Llama 2 70B LoRA runs with tp 4 x cp 2, one micro-batch a step: all priced
+    under, the ones with per-layer CUDA graphs by 9% to 14% (NVIDIA's v4.1 recipe on 64 and
+    1,024 H100s, Dell's on 64, Azure's on 512 H200s; without graphs, ``MISSES``). Dell's runs of
+    the layout with 2 and 4 micro-batches a step took 0.546 and 0.538 s a micro-batch, against
+    0.553 for one: what they pay beyond the price, they pay per micro-batch, not per step; what it
+    is is not found."""
+    return bool(row.view.adapter_rank) and row.view.tp > 1 and row.view.cp > 1
+
+
 def test_h200_under_transformer_engine_has_a_ceiling_of_its_own():
     """H200 is H100's die with HBM3e at the same 700 W. Under Transformer Engine its ceiling is
     fitted on one run without cp (Dell's Llama 2 70B LoRA on 8 H200s, tp 2: MLPerf Training
-    v4.1), its attention share H100's (``[calibration.H200-TE] attention_as``): 0.78 against
-    H100's 0.82. The held-out H200 runs of that stack (NVIDIA's v4.0 tp 2 and v4.1 cp 2 LoRA,
+    v4.1), its attention share H100's (``[calibration.H200-TE] attention_as``): 0.81 against
+    H100's 0.84. The held-out H200 runs of that stack (NVIDIA's v4.0 tp 2 and v4.1 cp 2 LoRA,
     Lenovo's three of the v4.1 recipe, Nebius's Llama 3.1 405B pre-training on 512 and 1,024 of
-    MLPerf v5.0) are then MAPE 2.5% (+0.1% to -6.3%); under H100's ceiling, as before, 6.8%,
-    every one further under, as are the two misses of that stack (``MISSES``: Azure's LoRA with
-    tp 4 x cp 2 on 512, -17.2%, and Oracle's run of it without CUDA graphs, -40.3%)."""
+    MLPerf v5.0) are then MAPE 1.3% (-2.6% to +1.8%); under H100's ceiling 3.6%, every one
+    further under, as are Azure's LoRA with tp 4 x cp 2 on 512 (-14.4%: ``tp_cp_lora``) and the
+    stack's miss, Oracle's run of it without CUDA graphs (-38.3%, ``MISSES``)."""
     rows = [r for r in cal.rows() if r.gpu.name == "H200-TE"]
     fit = [r for r in rows if r.split == "fit"]
     held = [r for r in rows if r.split == "test"]
@@ -444,9 +441,9 @@ def test_h200_under_transformer_engine_has_a_ceiling_of_its_own():
     as_h100 = [error(r, "H100-SXM-TE") for r in held]
     print({r.name: f"{a:+.1%} (as H100: {b:+.1%})" for r, a, b in zip(held, mine, as_h100)})
     assert all(b < a for a, b in zip(mine, as_h100))
-    kept = [i for i, r in enumerate(held) if r.name not in MISSES]
+    kept = [i for i, r in enumerate(held) if r.name not in MISSES and not tp_cp_lora(r)]
     assert len(kept) >= 6 and all(abs(mine[i]) < 0.08 for i in kept)
-    assert sum(abs(mine[i]) for i in kept) / len(kept) < 0.05 < sum(
+    assert sum(abs(mine[i]) for i in kept) / len(kept) < 0.02 < 0.03 < sum(
         abs(as_h100[i]) for i in kept) / len(kept)
 
 
@@ -660,6 +657,44 @@ def test_collectives_beside_a_matmul_hide_behind_it_where_the_stack_overlaps_the
         cal.FITTED.matmul_overlap * tp(attrs.evolve(row.view, matmul_overlap=False)))
     # a plan's own view: torch's TP, nothing hidden
     assert attrs.fields_dict(PlanView)["matmul_overlap"].default is False
+
+
+def test_float8_attention_is_priced_at_its_published_gain():
+    """NVIDIA's cuDNN 9 post (Table 1) measured Llama 2 70B LoRA on an 8-GPU H200 node under
+    NeMo and Transformer Engine 1.11 times as fast with cuDNN's attention in BF16 and 1.15 in
+    FP8: FP8 attention 1.036 times end to end (``[[gain]]``, priced on MLPerf v4.0's H200 run of
+    the same weeks). Flash attention in float8 is the speed-up that prices that gain (1.11, the
+    other constants as fitted; fit() and it agree), on the rows whose configuration turns it on
+    (FP8_DPA = 1: MLPerf's one-node LoRA runs, v4.0's cp runs, B200's), not on v4.1's tp 4 x cp 2
+    and H200 cp 2 runs, which turned it off. Priced as bf16, the one-node runs' FP8 attention
+    had been fitted into Transformer Engine's attention share (0.5, now 0.4): its bf16 runs at
+    sequences of 8,192 came out fast, v4.1's tp 4 x cp 2 LoRA runs -13% to -17% (now -9% to
+    -14%), its H200 cp 2 runs -2% to -6% (now -3% to +2%); held-out dense MAPE 6.1% -> 5.9%."""
+    assert cal.fit_float8_attention(cal.FITTED) == cal.FITTED.float8_attention == 1.11
+    gains = [g for g in cal._data()["gain"] if g["field"] == "float8_attention"]
+    assert len(gains) == 1 and gains[0]["speedup"] == pytest.approx(1.15 / 1.11, abs=5e-5)
+    predicted, measured = cal.gain_ratio(gains[0], cal.FITTED)
+    assert predicted == pytest.approx(measured, rel=0.002)
+    by_name = {r.name: r for r in cal.rows()}
+    on = by_name["Llama 2 70B LoRA r16 TP 4 8 H100 FP8 (MLPerf Training v4.1)"]
+    off = by_name["Llama 2 70B LoRA r16 TP 4 CP 2 64 H100 FP8 (MLPerf Training v4.1)"]
+    assert on.view.float8_attention and not off.view.float8_attention
+    assert by_name["Llama 2 70B LoRA r16 TP 4 CP 2 64 H100 FP8 (MLPerf Training v4.0)"
+                   ].view.float8_attention
+
+    def compute(row, flag, gpu=None):
+        view = attrs.evolve(row.view, float8_attention=flag)
+        return step_time(row.shape, view, row.setup, gpu or row.gpu, cal.FITTED)["breakdown_s"][
+            "compute"]
+
+    # only attention's time moves, by 1 - 1 / 1.11 of it; a GPU without float8 (A100) runs bf16
+    assert 0.02 < 1 - compute(on, True) / compute(on, False) < 0.05
+    a100 = resolve_gpu("A100-80GB")
+    assert compute(on, True, a100) == compute(on, False, a100)
+    # the tp 4 x cp 2 LoRA runs with per-layer CUDA graphs are still under, within 15%
+    found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
+    family = [found[r.name] for r in cal.rows() if tp_cp_lora(r) and r.name not in MISSES]
+    assert len(family) == 4 and all(-0.15 < e < -0.05 for e in family), family
 
 
 def test_the_overlap_share_is_fitted_on_torchtitans_async_tp_pair():

@@ -5,7 +5,8 @@ the efficiency constants every estimate uses.
 ``tests/test_planner_validation.py`` checks that they are that fit (no grid neighbour does
 better) and reports the error on the ``test`` rows, which the fit never saw. A mechanism a
 source measured on and off in one run (a pair: ``eager_twin``, ``overlap_twin``) is fitted on
-its pair alone: what a compiled block keeps, what an overlapped tp collective still costs.
+its pair alone: what a compiled block keeps, what an overlapped tp collective still costs;
+a speed-up published as a ratio alone (a ``[[gain]]``) on the run it names: float8 attention's.
 Kernels shardgraph does not run (Transformer Engine's, under Megatron-Core and NeMo) have a
 ceiling and attention share of their own, fitted on their own fit rows given the shared
 constants (``stack_fit_rows``): their rows then check the rest of the model (schedules,
@@ -177,7 +178,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
                                                 "pooled_nics", "sac_saves_gathers",
                                                 "matmul_overlap", "overlap_p2p",
                                                 "fused_loss", "repeat_kv",
-                                                "fused_float8_casts", "norm_upcast")}
+                                                "fused_float8_casts", "norm_upcast",
+                                                "float8_attention")}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     # the pipeline of the source, where it differs from torch's: the stages' outputs its torch
     # kept (pp_keeps_outputs), no receive buffer per micro-batch (pp_recv_buffers, Megatron's),
@@ -355,6 +357,33 @@ def fit_matmul_overlap(eff: Efficiency) -> float:
             eff, matmul_overlap=share)) for r in pairs)))
 
 
+#: the speed-ups of float8 attention over bf16 flash attention ``fit_float8_attention`` tries
+FLOAT8_ATTENTIONS = [round(1.0 + 0.01 * i, 2) for i in range(101)]
+
+
+def gain_ratio(gain: dict[str, Any], eff: Efficiency) -> tuple[float, float]:
+    """(predicted, measured) speed-up of a published ``[[gain]]``: its run priced without its
+    field over with it."""
+    row = next(r for r in rows() if r.name == gain["run"])
+    t = [step_time(r.shape, r.view, r.setup, r.gpu, eff)["step_time_s"]
+         for r in (attrs.evolve(row, view=attrs.evolve(row.view, **{gain["field"]: False})),
+                   attrs.evolve(row, view=attrs.evolve(row.view, **{gain["field"]: True})))]
+    return t[0] / t[1], gain["speedup"]
+
+
+def fit_float8_attention(eff: Efficiency) -> float:
+    """Flash attention's speed-up in float8: the one whose predicted end-to-end gain on each
+    published ``[[gain]]`` of it is closest to the measured one, the other constants
+    ``eff``'s (a gain measured on a run, not a kernel: what attention's share of that run's
+    step is, the planner says)."""
+    gains = [g for g in _data().get("gain", []) if g["field"] == "float8_attention"]
+    if not gains:  # nothing measured: float8 attention priced as bf16's
+        return 1.0
+    return min(FLOAT8_ATTENTIONS, key=lambda s: sum(
+        abs(math.log(p / m)) for p, m in (gain_ratio(g, attrs.evolve(
+            eff, float8_attention=s)) for g in gains)))
+
+
 @attrs.frozen
 class Sweep:
     """Layouts of one model on one cluster at one batch size, measured side by side by one
@@ -482,6 +511,7 @@ def fit() -> Efficiency:
     # tests/test_planner_validation.py checks; a change of the float8 cost moved 0.75 -> 0.70 ->
     # 0.75 once before FITTED was set to the point where they agree)
     point["matmul_overlap"] = fit_matmul_overlap(FITTED)
+    point["float8_attention"] = fit_float8_attention(FITTED)  # alike, on its gains
     best, eff = _efficiency(point, fit_rows)
     moved = True
     while moved:
@@ -521,7 +551,8 @@ def report(eff: Efficiency = FITTED) -> str:
 
 if __name__ == "__main__":
     print("allocator reserve:", fit_reserve(), "fused saves:", fit_fused_saves(),
-          "matmul overlap:", fit_matmul_overlap(FITTED))
+          "matmul overlap:", fit_matmul_overlap(FITTED),
+          "float8 attention:", fit_float8_attention(FITTED))
     found = fit()
     print(found)
     print(report(found))

@@ -9,8 +9,9 @@ the pipeline bubble.
   each linear's arithmetic intensity on one rank, ``x = 1 / (1/m + 1/k + 1/n)`` for its
   (tokens, input, output) after tp and cp split them: ``eff = e_max * x / (x + x0)``, fitted.
   Flash attention runs at a share of that fitted per GPU (its backward recomputes the scores:
-  2.5 forwards); attention that materialises the scores (no flash attention) computes the
-  whole square, masked after: twice the causal FLOPs, at the linears' efficiency. Float8
+  2.5 forwards), in float8 (a stack's FP8 attention) at a fitted speed-up over that;
+  attention that materialises the scores (no flash attention) computes the whole square,
+  masked after: twice the causal FLOPs, at the linears' efficiency. Float8
   linears (the blocks', not the head) run at a fitted speed-up on GPUs with float8 tensor
   cores, and torchao's casts of their inputs and output gradients are memory traffic of
   their own (a stack whose kernels write float8 themselves, Transformer Engine's, pays
@@ -88,6 +89,10 @@ class Efficiency:
     #: (GPU preset, flash attention's efficiency over the linears'): its FLOPs at
     #: ``e * attention`` (a GPU without measurements: ``fallback``'s)
     attention: tuple[tuple[str, float], ...] = ()
+    #: flash attention's speed-up in float8 (``PlanView.float8_attention``) on a GPU with
+    #: float8 tensor cores, fitted on a published end-to-end gain
+    #: (``calibration.fit_float8_attention``)
+    float8_attention: float = 1.0
 
     def ceiling(self, gpu: str) -> float:
         return self._for(self.e_max, gpu, 0.5)
@@ -407,6 +412,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     # materialised scores are the whole square (baddbmm, then the causal mask): twice causal's
     attention = attn_flops * held.layers * n_micro * v.attention_imbalance * (
         passes + 0.5 if v.fused_attention else 2 * passes)
+    if v.float8_attention and gpu.fp8:
+        attention /= eff.float8_attention
     # the head is never checkpointed (nor are its weight gradients split from backward):
     # a forward and a backward, not the blocks' recomputation
     head = (head_flops_per_token(shape) * tokens * n_micro * 3 / (v.tp * v.cp)

@@ -80,6 +80,9 @@ class PlanView:
     #: float8 casts fused into the kernels that produce their inputs (Transformer Engine's
     #: norm and activation kernels write float8); False: torchao's, each a pass of its own
     fused_float8_casts: bool = False
+    #: attention's matmuls in float8 (Transformer Engine's FP8 attention, cuDNN's kernel: a
+    #: published stack's, ``Efficiency.float8_attention``); False: bf16, as shardgraph runs it
+    float8_attention: bool = False
     #: pipeline sends split over tp and gathered after (Megatron-LM's scatter/gather)
     p2p_split_over_tp: bool = False
     #: a collective across nodes uses the NICs of all its members in a node at once (NCCL's
