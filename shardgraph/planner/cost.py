@@ -406,14 +406,15 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             n * adapter_bytes(shape, v, tokens, kind, 1 + recomputes)
             for kind, n in held.kinds if kind not in EXTRAS) / gpu.hbm_bw
     # attention's own kernel (flash attention) reaches ``Efficiency.attention`` of the
-    # linears' efficiency; materialised scores are batched matmuls priced as the linears
-    e_attn = e * (eff.attention_share(gpu.name) if v.fused_attention else 1.0)
+    # linears' efficiency, in float8 ``Efficiency.float8_attention`` times that (its time here
+    # and what cp's ring hides behind, below); materialised scores are batched matmuls priced
+    # as the linears
+    e_attn = e * (eff.attention_share(gpu.name) if v.fused_attention else 1.0) * (
+        eff.float8_attention if v.float8_attention and gpu.fp8 else 1.0)
     # flash attention's backward recomputes the scores: 2.5 forwards' FLOPs, not 2; the
     # materialised scores are the whole square (baddbmm, then the causal mask): twice causal's
     attention = attn_flops * held.layers * n_micro * v.attention_imbalance * (
         passes + 0.5 if v.fused_attention else 2 * passes)
-    if v.float8_attention and gpu.fp8:
-        attention /= eff.float8_attention
     # the head is never checkpointed (nor are its weight gradients split from backward):
     # a forward and a backward, not the blocks' recomputation
     head = (head_flops_per_token(shape) * tokens * n_micro * 3 / (v.tp * v.cp)
