@@ -149,6 +149,10 @@ def test_every_row_is_cited_and_split():
     # that ran them and what the source says of their order
     assert data["sweep"] and all(s["source"] in data["sources"] and s["script"] and s["stated"]
                                  and 0 <= s["fastest"] < len(s["layouts"]) for s in data["sweep"])
+    # the published gains: cited through their source, on a run of the table
+    names = {r["name"] for r in data["run"]}
+    assert data["gain"] and all(g["source"] in data["sources"] and g["run"] in names
+                                for g in data["gain"])
 
 
 def test_fitted_constants_are_the_fit():
@@ -742,6 +746,12 @@ def test_float8_attention_is_priced_at_its_published_gain():
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     family = [found[r.name] for r in cal.rows() if tp_cp_lora(r) and r.name not in MISSES]
     assert len(family) == 4 and all(-0.15 < e < -0.05 for e in family), family
+
+
+def test_a_gain_on_a_run_the_table_lacks_is_named():
+    with pytest.raises(ValueError, match=r"\[\[gain\]\] run = 'no such run' names no \[\[run\]\]"):
+        cal.gain_ratio({"run": "no such run", "field": "float8_attention", "speedup": 1.0},
+                       cal.FITTED)
 
 
 def test_the_overlap_share_is_fitted_on_torchtitans_async_tp_pair():

@@ -310,6 +310,12 @@ def fit_reserve() -> float:
     return RESERVES[-1]
 
 
+def _closest(values: list[float], ratios) -> float:
+    """The value whose (predicted, measured) ratios, ``ratios(value)``, are closest to each
+    other: the least sum of absolute log errors (a mechanism fitted on its pairs alone)."""
+    return min(values, key=lambda v: sum(abs(math.log(p / m)) for p, m in ratios(v)))
+
+
 #: the shares of a block's saved bytes ``fit_fused_saves`` tries
 FUSED = [round(0.01 * i, 2) for i in range(50, 101)]
 
@@ -328,8 +334,7 @@ def fit_fused_saves() -> float:
     pairs = [r for r in rows() if r.split == "fit" and r.eager_twin]
     if not pairs:  # nothing measured: a compiled block keeps what an eager one keeps
         return 1.0
-    return min(FUSED, key=lambda share: sum(
-        abs(math.log(p / m)) for p, m in (fused_ratio(r, share) for r in pairs)))
+    return _closest(FUSED, lambda share: (fused_ratio(r, share) for r in pairs))
 
 
 #: the shares of an overlapped collective's time ``fit_matmul_overlap`` tries
@@ -352,9 +357,8 @@ def fit_matmul_overlap(eff: Efficiency) -> float:
     pairs = [r for r in rows() if r.split == "fit" and r.overlap_twin]
     if not pairs:  # nothing measured: an overlapped collective costs what any hidden one does
         return eff.overlap
-    return min(MATMUL_OVERLAPS, key=lambda share: sum(
-        abs(math.log(p / m)) for p, m in (overlap_ratio(r, attrs.evolve(
-            eff, matmul_overlap=share)) for r in pairs)))
+    return _closest(MATMUL_OVERLAPS, lambda share: (
+        overlap_ratio(r, attrs.evolve(eff, matmul_overlap=share)) for r in pairs))
 
 
 #: the speed-ups of float8 attention over bf16 flash attention ``fit_float8_attention`` tries
@@ -364,7 +368,9 @@ FLOAT8_ATTENTIONS = [round(1.0 + 0.01 * i, 2) for i in range(101)]
 def gain_ratio(gain: dict[str, Any], eff: Efficiency) -> tuple[float, float]:
     """(predicted, measured) speed-up of a published ``[[gain]]``: its run priced without its
     field over with it."""
-    row = next(r for r in rows() if r.name == gain["run"])
+    row = next((r for r in rows() if r.name == gain["run"]), None)
+    if row is None:
+        raise ValueError(f"{DATA.name}: [[gain]] run = {gain['run']!r} names no [[run]]")
     t = [step_time(r.shape, r.view, r.setup, r.gpu, eff)["step_time_s"]
          for r in (attrs.evolve(row, view=attrs.evolve(row.view, **{gain["field"]: False})),
                    attrs.evolve(row, view=attrs.evolve(row.view, **{gain["field"]: True})))]
@@ -379,9 +385,8 @@ def fit_float8_attention(eff: Efficiency) -> float:
     gains = [g for g in _data().get("gain", []) if g["field"] == "float8_attention"]
     if not gains:  # nothing measured: float8 attention priced as bf16's
         return 1.0
-    return min(FLOAT8_ATTENTIONS, key=lambda s: sum(
-        abs(math.log(p / m)) for p, m in (gain_ratio(g, attrs.evolve(
-            eff, float8_attention=s)) for g in gains)))
+    return _closest(FLOAT8_ATTENTIONS, lambda s: (
+        gain_ratio(g, attrs.evolve(eff, float8_attention=s)) for g in gains))
 
 
 @attrs.frozen

@@ -198,7 +198,7 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                       "active_parameters_per_token": shape.active_params_per_token(),
                       # no published run of a mixture of experts is priced within 15%
                       # (published.toml: Megatron-Bridge's four Qwen3 rows, held out: -50% to
-                      # -74% with every ep group in a node, +74% with ep across nodes)
+                      # -74% with every ep group in a node, +76% with ep across nodes)
                       "step_time_validated": not shape.is_moe},
         },
     }
