@@ -479,11 +479,10 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     per_chunk = (n_chunks, min(v.pp, n_micro) * bwd_last / n_chunks, eff.overlap) \
         if v.pipeline is not None and v.pipeline.reduce_per_chunk and n_chunks > 1 \
         else (1, 0.0, eff.overlap)
-    whole = attrs.evolve(v, strategy=None)
     if v.strategy in ("fully_shard", "sharded") and v.dp * v.cp > 1:
         n = v.dp_shard * v.cp if v.strategy == "fully_shard" else v.dp * v.cp
         crosses = v.group_crosses_nodes("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
-        unsharded = held_numel(shape, held, whole, False if v.ep > 1 else None)
+        unsharded = held_numel(shape, held, v, False if v.ep > 1 else None, unsharded=True)
         # all-gathers per step: one per micro-batch's forward and (resharded after it) one per
         # its backward; under torch's pipeline stages none after the first forward unless
         # resharded after forward: they keep the parameters through every micro-batch's
@@ -508,7 +507,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         rs = reductions * units * _collective("reduce_scatter", n, grads / units,
                                               crosses, gpu, eff, k)
         ep_shard = v.dp * v.cp // v.ep
-        ex = held_numel(shape, held, whole, True) if v.ep > 1 else 0
+        ex = held_numel(shape, held, v, True, unsharded=True) if v.ep > 1 else 0
         if ex and ep_shard > 1:
             cross = v.ep * ep_shard > v.gpus_per_node
             ag += gathers * _collective("all_gather", ep_shard, ex * cb, cross, gpu, eff)
@@ -529,7 +528,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                                             v.group_crosses_nodes("dp_replicate"), gpu, eff,
                                             v.members_per_node("dp_replicate")))
     elif v.strategy == "replicate" and v.dp > 1:
-        grads = held_numel(shape, held, whole) * shape.param_bytes * trainable_share(shape, v)
+        grads = held_numel(shape, held, v, unsharded=True) * shape.param_bytes \
+            * trainable_share(shape, v)
         ar = _collective("all_reduce", v.dp, grads, v.group_crosses_nodes("dp"), gpu, eff,
                          v.members_per_node("dp"))
         # buckets reduced as backward fills them, the last one after it; or all after it

@@ -96,36 +96,55 @@ def _chunk(n: int, parts: int) -> int:
     return math.ceil(n / parts) if parts > 1 else n
 
 
-def local_numel(p: Param, v: PlanView) -> int:
+#: what of a view decides how a parameter is split: (tp, ep, dp, cp, dp_shard, strategy)
+Split = tuple[int, int, int, int, int, str | None]
+
+
+def split_of(v: PlanView) -> Split:
+    return v.tp, v.ep, v.dp, v.cp, v.dp_shard, v.strategy
+
+
+def local_numel(p: Param, split: Split) -> int:
     """Elements of ``p`` on rank 0 of its groups (the largest share under ceil splits)."""
+    tp, ep, dp, cp, dp_shard, strategy = split
     shape = list(p.shape)
-    if v.tp > 1 and p.tp_dim is not None:
-        shape[p.tp_dim] = _chunk(shape[p.tp_dim], v.tp)
-    if p.expert and v.ep > 1:
-        shape[0] = shape[0] // v.ep
-        ep_shard = v.dp * v.cp // v.ep
-        if v.strategy == "fully_shard" and ep_shard > 1:
+    if tp > 1 and p.tp_dim is not None:
+        shape[p.tp_dim] = _chunk(shape[p.tp_dim], tp)
+    if p.expert and ep > 1:
+        shape[0] = shape[0] // ep
+        ep_shard = dp * cp // ep
+        if strategy == "fully_shard" and ep_shard > 1:
             dim = 0 if shape[0] >= ep_shard else 1
             shape[dim] = _chunk(shape[dim], ep_shard)
         return math.prod(shape)
-    if v.strategy == "fully_shard":
-        shape[0] = _chunk(shape[0], v.dp_shard * v.cp)
-    elif v.strategy == "sharded":
+    if strategy == "fully_shard":
+        shape[0] = _chunk(shape[0], dp_shard * cp)
+    elif strategy == "sharded":
         # megatron_fsdp shards a flat buffer over dp x cp: the even share, rounded up
-        return math.ceil(math.prod(shape) / (v.dp * v.cp))
+        return math.ceil(math.prod(shape) / (dp * cp))
     return math.prod(shape)
 
 
 @functools.cache
-def _kind_numel(shape: ModelShape, kind: str, v: PlanView, experts: bool | None) -> int:
-    return sum(local_numel(p, v) for p in kind_params(shape, kind)
+def _kind_numel(shape: ModelShape, kind: str, split: Split, experts: bool | None) -> int:
+    return sum(local_numel(p, split) for p in kind_params(shape, kind)
                if experts is None or p.expert == experts)
 
 
-def held_numel(shape: ModelShape, held: Held, v: PlanView, experts: bool | None = None) -> int:
+# keyed on the split alone: the views the search tries differ mostly elsewhere (micro-batches,
+# schedules, checkpointing), and hashing a whole view each time cost a third of its time
+@functools.lru_cache(maxsize=65536)
+def _held_numel(shape: ModelShape, held: Held, split: Split, experts: bool | None) -> int:
+    return sum(n * _kind_numel(shape, kind, split, experts) for kind, n in held.kinds)
+
+
+def held_numel(shape: ModelShape, held: Held, v: PlanView, experts: bool | None = None,
+               unsharded: bool = False) -> int:
     """Elements this rank holds of the layers and extras in ``held`` (``experts``: only the
-    routed experts' (True), only the rest (False), or all (None))."""
-    return sum(n * _kind_numel(shape, kind, v, experts) for kind, n in held.kinds)
+    routed experts' (True), only the rest (False), or all (None); ``unsharded``: as if no
+    data-parallel strategy sharded them, what a gather makes whole)."""
+    split = split_of(v)
+    return _held_numel(shape, held, (*split[:-1], None) if unsharded else split, experts)
 
 
 def trainable_share(shape: ModelShape, v: PlanView) -> float:
@@ -149,7 +168,7 @@ def state_numel(shape: ModelShape, held: Held, v: PlanView) -> tuple[int, int, i
     n = held_numel(shape, held, v)
     if v.strategy != "sharded" or v.shards == 3:
         return n, n, n
-    whole = held_numel(shape, held, _unsharded(v))
+    whole = held_numel(shape, held, v, unsharded=True)
     return whole, (n if v.shards >= 2 else whole), (n if v.shards >= 1 else whole)
 
 
@@ -429,9 +448,8 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
         return received + 2 * 25 * 2**20
     if v.strategy not in ("fully_shard", "sharded"):
         return received
-    whole = _unsharded(v)
-    dense = held_numel(shape, held, whole, False if v.ep > 1 else None)
-    block = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), whole)
+    dense = held_numel(shape, held, v, False if v.ep > 1 else None, unsharded=True)
+    block = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), v, unsharded=True)
     reduce = v.reduce_bytes or shape.param_bytes
     params = dense * dtype if not v.reshard_after_forward else 2 * block * dtype
     if v.strategy == "sharded" and v.shards < 3:
@@ -469,7 +487,3 @@ def boundary_bytes(shape: ModelShape, v: PlanView, setup: Setup, dtype: int) -> 
     mbs = microbatches(v, setup)[0]
     return mbs * setup.seq_len / v.cp * shape.hidden / (v.tp if v.sp else 1) * dtype
 
-
-@functools.lru_cache(maxsize=4096)
-def _unsharded(v: PlanView) -> PlanView:
-    return attrs.evolve(v, strategy=None)
