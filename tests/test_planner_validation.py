@@ -368,11 +368,11 @@ def test_each_schedule_family_against_its_published_pipelines():
     """Every published pipeline row, by the torch schedule it is priced as: 1F1B (torchtitan's
     405B Tables 5 and 6, pp 8, 8 micro-batches; Megatron-LM 2021 at pp 2 and 64) and
     interleaved 1F1B (Megatron-LM 2021 at pp 4 to 35, torchtitan's Table 5, the Llama 3
-    paper's pp 16, Megatron-Bridge's pp 8 with 5 and 8 chunks, MLPerf's GPT-3 at pp 8 with 4 and
-    6 (NVIDIA's and Oracle's) and at pp 6 with 8, MLPerf v5.0's Llama 3.1 405B at pp 8 with 8):
-    each row within 15% (but ``MISSES``), each family's mean within 8%. Measured:
-    1F1B -11.8% to +5.4% (mean -0.7%, 7 rows), interleaved -12.7% to +6.0% (mean -1.2%, 30 rows;
-    MLPerf v4.1's GPT-3 on 64 B200s, a miss, +20.9%)."""
+    paper's pp 16, Megatron-Bridge's pp 4 and 8 with 5 to 20 chunks, MLPerf's GPT-3 at pp 8 with
+    4 and 6 (NVIDIA's and Oracle's) and at pp 6 with 8, MLPerf v5.0's and v5.1's Llama 3.1 405B
+    at pp 8 with 8, on H100, H200 and B200): each row within 15% (but ``MISSES``), each family's
+    mean within 8%. Measured: 1F1B -11.8% to +5.4% (mean -0.7%, 7 rows), interleaved -12.7% to
+    +6.0% (mean -1.2%, 35 rows; MLPerf v4.1's GPT-3 on 64 B200s, a miss, +20.9%)."""
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     families: dict[str, list[float]] = {}
     for row in cal.rows():

@@ -490,7 +490,15 @@ def fit() -> Efficiency:
     several sizes would pin them. The search is as fragile as that says: Transformer Engine's
     two fit rows in the joint fit, or B200's 8B row out of it, each moved it to another point
     (x0 100 or 200, float8 1.9 or 2.0, every ceiling) whose held-out MAPE was 7.2% to 7.6%
-    against 6.3% at FITTED (then 66 held-out rows). Then each kernel stack's name
+    against 6.3% at FITTED (then 66 held-out rows); Megatron-Bridge's 405B B200 row in it
+    pinned B200's attention share (0.6, not 1.0; GPT-3 on B200 then within 15%, held-out
+    6.8% over 104) but took k0, a matmul's short reduction, to 0; pricing rings with NCCL's
+    latency model (the network's latency only on the hops that leave a node) moved float8 to
+    2.0 and torchtitan's attention share to 0.2 (held-out 7.6% to 10%, from either start). A
+    rule-based split, every third row of each source (MoE rows and the known misses held out)
+    in the fit, gives 2.6% to 3.2% on its 54 fit rows and 7.7% to 8.5% on the 73 dense rows
+    left (FITTED's start and the middle's): the held-out error depends on the split as much
+    as on the model (measured after 131 rows). Then each kernel stack's name
     (``stack_fit_rows``) takes its best ceiling and attention share on its own rows, at the
     point found (a name whose attention share is another's, ``attention_as``, its ceiling alone:
     H200 under Transformer Engine, one fit row)."""
