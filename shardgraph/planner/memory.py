@@ -132,7 +132,7 @@ def _kind_numel(shape: ModelShape, kind: str, split: Split, experts: bool | None
 
 
 # keyed on the split alone: the views the search tries differ mostly elsewhere (micro-batches,
-# schedules, checkpointing), and hashing a whole view each time cost a third of its time
+# schedules, checkpointing), and hashing a whole view each time cost it about a quarter
 @functools.lru_cache(maxsize=65536)
 def _held_numel(shape: ModelShape, held: Held, split: Split, experts: bool | None) -> int:
     return sum(n * _kind_numel(shape, kind, split, experts) for kind, n in held.kinds)
