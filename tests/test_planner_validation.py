@@ -774,6 +774,10 @@ def test_a_gain_on_a_run_the_table_lacks_is_named():
     with pytest.raises(ValueError, match=r"\[\[gain\]\] run = 'no such run' names no \[\[run\]\]"):
         cal.gain_ratio({"run": "no such run", "field": "float8_attention", "speedup": 1.0},
                        cal.FITTED)
+    run = next(r.name for r in cal.rows())
+    with pytest.raises(ValueError, match=r"field = 'fp8_dpa' is no switch of a plan view: one "
+                       r"of .*float8_attention"):
+        cal.gain_ratio({"run": run, "field": "fp8_dpa", "speedup": 1.0}, cal.FITTED)
 
 
 def test_the_overlap_share_is_fitted_on_torchtitans_async_tp_pair():

@@ -371,6 +371,10 @@ def gain_ratio(gain: dict[str, Any], eff: Efficiency) -> tuple[float, float]:
     row = next((r for r in rows() if r.name == gain["run"]), None)
     if row is None:
         raise ValueError(f"{DATA.name}: [[gain]] run = {gain['run']!r} names no [[run]]")
+    switches = sorted(f.name for f in attrs.fields(PlanView) if f.type in (bool, "bool"))
+    if gain["field"] not in switches:
+        raise ValueError(f"{DATA.name}: [[gain]] field = {gain['field']!r} is no switch of a "
+                         f"plan view: one of {', '.join(switches)}")
     t = [step_time(r.shape, r.view, r.setup, r.gpu, eff)["step_time_s"]
          for r in (attrs.evolve(row, view=attrs.evolve(row.view, **{gain["field"]: False})),
                    attrs.evolve(row, view=attrs.evolve(row.view, **{gain["field"]: True})))]

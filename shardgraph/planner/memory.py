@@ -143,8 +143,9 @@ def held_numel(shape: ModelShape, held: Held, v: PlanView, experts: bool | None 
     """Elements this rank holds of the layers and extras in ``held`` (``experts``: only the
     routed experts' (True), only the rest (False), or all (None); ``unsharded``: as if no
     data-parallel strategy sharded them, what a gather makes whole)."""
-    split = split_of(v)
-    return _held_numel(shape, held, (*split[:-1], None) if unsharded else split, experts)
+    tp, ep, dp, cp, dp_shard, strategy = split_of(v)
+    return _held_numel(shape, held, (tp, ep, dp, cp, dp_shard, None if unsharded else strategy),
+                       experts)
 
 
 def trainable_share(shape: ModelShape, v: PlanView) -> float:
