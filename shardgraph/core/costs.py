@@ -10,7 +10,8 @@ collective (``Comm``) moves, per micro-batch on this rank:
 
 - ``activation``: the tokens this rank computes x the hidden size, in the compute dtype;
 - ``kv``: the tokens x the key and value width of the block (split over tp);
-- ``routed``: the tokens x top-k x the hidden size (a mixture of experts' dispatch);
+- ``routed``: the tokens this rank holds (a tp rank's share of the sequence under sequence
+  parallelism) x top-k x the hidden size (a mixture of experts' dispatch);
 - ``logits``: the tokens x the vocabulary (the LM head's output);
 
 once per block (``per = "layer"``), per mixture-of-experts block (``"moe_layer"``) or once on

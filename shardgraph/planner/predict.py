@@ -196,9 +196,9 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                          "dropout": v.adapter_dropout} if v.adapter_rank else None,
             "model": {"architecture": shape.architecture, "parameters": shape.n_params,
                       "active_parameters_per_token": shape.active_params_per_token(),
-                      # no published run of a mixture of experts is priced within 15%
-                      # (published.toml: Megatron-Bridge's four Qwen3 rows, held out: -50% to
-                      # -74% with every ep group in a node, +76% with ep across nodes)
+                      # mixture-of-experts step times are calibrated on no run (published.toml:
+                      # Megatron-Bridge's four Qwen3 rows, held out: -50% to -74% with every ep
+                      # group in a node, +11% with ep across nodes)
                       "step_time_validated": not shape.is_moe},
         },
     }
