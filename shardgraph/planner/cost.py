@@ -57,6 +57,10 @@ from .shape import ModelShape, layer_kind
 from .view import PlanView, Setup
 
 
+#: a GPU priced by another's ceiling and attention share until it has its own: the same die
+SAME_DIE = {"H200": "H100-SXM", "GB200": "B200"}
+
+
 @attrs.frozen(cache_hash=True)
 class Efficiency:
     """Fitted constants (``calibration.py``): the matmul efficiency curve's ceiling per GPU and
@@ -101,13 +105,15 @@ class Efficiency:
         return self._for(self.attention, gpu, 1.0)
 
     def _for(self, table: tuple[tuple[str, float], ...], gpu: str, default: float) -> float:
-        """``gpu``'s entry of a per-GPU table, else ``fallback``'s (H200 is H100's compute die
-        with more and faster HBM: H100's)."""
+        """``gpu``'s entry of a per-GPU table, else the same die's (H200 is H100's compute die
+        with more and faster HBM: H100's; GB200's GPU is B200's at a higher clock: B200's), else
+        ``fallback``'s."""
         found = dict(table)
         return found.get(self._name(found, gpu), default)
 
     def _name(self, found: dict[str, float], gpu: str) -> str:
-        return gpu if gpu in found else "H100-SXM" if gpu == "H200" else self.fallback
+        same = SAME_DIE.get(gpu)
+        return gpu if gpu in found else same if same in found else self.fallback
 
     def calibrated(self, gpu: str) -> bool:
         """Whether ``gpu`` has constants of its own, fitted on published runs on it."""

@@ -48,7 +48,11 @@ class GPU:
 # H100-SXM / H200: NVIDIA H100 and H200 datasheets (989 TFLOPS BF16 dense, NVLink 900 GB/s both
 # directions) with one 400 Gb/s NDR NIC per GPU (DGX H100 / H200). B200: DGX B200 datasheet
 # (72 PFLOPS FP8 training with sparsity per 8 GPUs -> 2.25 PFLOPS dense BF16 per GPU, 1,440 GB
-# HBM3e per 8 GPUs, NVLink 5 1.8 TB/s both directions, 400 Gb/s per GPU). MI300X: AMD Instinct
+# HBM3e per 8 GPUs, NVLink 5 1.8 TB/s both directions, 400 Gb/s per GPU). GB200: GB200 NVL72
+# datasheet (180 PFLOPS FP16/BF16 dense per 72 GPUs -> 2.5 PFLOPS a GPU, 13.4 TB HBM3e at 576
+# TB/s per 72 -> 186 GB and 8 TB/s, NVLink 5 1.8 TB/s both directions among all 72 GPUs of the
+# rack: one NVLink domain, ``gpus_per_node = 72``) with one 400 Gb/s ConnectX-7 NIC per GPU
+# (MLPerf v5.0's Tyche: 4 per tray of 4 GPUs). MI300X: AMD Instinct
 # MI300X datasheet (1,307.4 TFLOPS BF16 dense, 192 GB HBM3 at 5.3 TB/s, 896 GB/s aggregate
 # Infinity Fabric both directions) with one 400 Gb/s NIC per GPU.
 PRESETS: dict[str, GPU] = {g.name: g for g in (
@@ -60,6 +64,9 @@ PRESETS: dict[str, GPU] = {g.name: g for g in (
         source="NVIDIA H200 datasheet (SXM); DGX H200 (8x 400 Gb/s NDR)"),
     GPU("B200", 2.25e15, 180e9, 8.0e12, 900e9, 50e9,
         source="NVIDIA DGX B200 datasheet (per GPU: 1/8 of the system); 400 Gb/s per GPU"),
+    GPU("GB200", 2.5e15, 186e9, 8.0e12, 900e9, 50e9,
+        source="NVIDIA GB200 NVL72 datasheet (per GPU: 1/72 of the rack, one NVLink domain: "
+        "gpus_per_node = 72); 400 Gb/s per GPU"),
     GPU("MI300X", 1307.4e12, 192e9, 5.3e12, 448e9, 50e9, intra_latency=8e-6,
         source="AMD Instinct MI300X datasheet; 400 Gb/s per GPU"),
 )}
