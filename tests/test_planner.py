@@ -166,6 +166,22 @@ def test_cli_estimate_text_and_json(tmp_path, capsys):
     assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H200", "--json"]) == 0
     curve = json.loads(capsys.readouterr().out)["assumptions"]["efficiency_curve"]
     assert not curve["calibrated_on_this_gpu"] and curve["priced_as"] == "H100-SXM"
+    # GB200: an NVL72 rack is one NVLink domain, the node unless the plan or command says
+    # otherwise; B200's constants price it (the same die)
+    nodes = {}
+    for extra in ([], ["--gpus-per-node", "8"]):
+        assert main(["estimate", str(path), "--world-size", "256", "--gpu", "GB200", "--json",
+                     *extra]) == 0
+        est = json.loads(capsys.readouterr().out)
+        nodes[len(extra)] = est["assumptions"]["gpu"]["gpus_per_node"]
+        assert est["assumptions"]["efficiency_curve"]["priced_as"] == "B200"
+        # fsdp2 x tp 8: a dp_shard ring (32 ranks, 8 apart) has 9 members in a rack of 72,
+        # whose NICs carry its traffic together, and 1 in a node of 8
+        nodes[f"comm {len(extra)}"] = est["breakdown_s"]["exposed_comm"].get("dp_shard", 0.0)
+    assert nodes[0] == 72 and nodes[2] == 8
+    assert nodes["comm 0"] < nodes["comm 2"], nodes
+    assert main(["estimate", str(path), "--world-size", "256", "--gpu", "GB200"]) == 0
+    assert "NVLink 900 GB/s among 72 GPUs" in capsys.readouterr().out
     assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H2000"]) == 2
     assert "did you mean 'H200'" in capsys.readouterr().err
     # a LoRA plan says which linears its adapters are priced beside

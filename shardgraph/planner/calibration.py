@@ -169,9 +169,9 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
         plugins["lora"] = {"rank": r["lora_rank"], "dropout": r.get("lora_dropout", 0.0),
                            **({"target_modules": r["lora_targets"]} if "lora_targets" in r
                               else {"match_all_linear": True})}
-    # a node is an NVLink domain: 8 GPUs, or a GB200 NVL72 rack's 72
+    # a node is an NVLink domain: 8 GPUs, a GB200 NVL72 rack's 72 (the GPU's, unless said)
     layout = MeshLayout(world_size=r["world"], gpus_per_node=r.get("gpus_per_node", src.get(
-        "gpus_per_node", 8)), pp=pp, dp_shard=dp, cp=cp, tp=tp, ep=ep)
+        "gpus_per_node", gpu.gpus_per_node)), pp=pp, dp_shard=dp, cp=cp, tp=tp, ep=ep)
     view = view_of(layout, declared(_registry(), plugins, layout)[0])
     # the software of the source, where it differs from torch's (a row may say otherwise)
     stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",

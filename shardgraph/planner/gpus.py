@@ -41,6 +41,9 @@ class GPU:
     source: str = ""
     #: float8 tensor cores (Hopper, Blackwell, CDNA 3)
     fp8: bool = True
+    #: GPUs of one NVLink domain: the planner's node where neither the command, ``[cluster]``
+    #: nor ``[mesh]`` gives ``gpus_per_node`` (a GB200 NVL72 rack: 72)
+    gpus_per_node: int = 8
 
 
 # Datasheet figures. A100: NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOPS BF16, 2,039 GB/s,
@@ -65,8 +68,8 @@ PRESETS: dict[str, GPU] = {g.name: g for g in (
     GPU("B200", 2.25e15, 180e9, 8.0e12, 900e9, 50e9,
         source="NVIDIA DGX B200 datasheet (per GPU: 1/8 of the system); 400 Gb/s per GPU"),
     GPU("GB200", 2.5e15, 186e9, 8.0e12, 900e9, 50e9,
-        source="NVIDIA GB200 NVL72 datasheet (per GPU: 1/72 of the rack, one NVLink domain: "
-        "gpus_per_node = 72); 400 Gb/s per GPU"),
+        gpus_per_node=72, source="NVIDIA GB200 NVL72 datasheet (per GPU: 1/72 of the rack, "
+        "one NVLink domain of 72); 400 Gb/s per GPU"),
     GPU("MI300X", 1307.4e12, 192e9, 5.3e12, 448e9, 50e9, intra_latency=8e-6,
         source="AMD Instinct MI300X datasheet; 400 Gb/s per GPU"),
 )}

@@ -172,7 +172,7 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             "gpu": {"name": gpu.name, "peak_bf16_tflops": gpu.peak_flops / 1e12,
                     "hbm_gib": gpu.hbm_bytes / 2**30, "hbm_tbps": gpu.hbm_bw / 1e12,
                     "intra_node_gbps": gpu.intra_bw / 1e9, "network_gbps": gpu.inter_bw / 1e9,
-                    "source": gpu.source},
+                    "gpus_per_node": v.gpus_per_node, "source": gpu.source},
             # the CUDA context and NCCL's buffers: the HBM left out; the caching allocator's
             # fragmentation: the "reserve" row, this share of the memory a step allocates
             "usable_hbm_fraction": USABLE_HBM,
@@ -214,10 +214,13 @@ def loaded(pipeline) -> Any:
 
 
 def context(pipeline, world_size: int, gpus_per_node: int | None, gpu: str | None):
-    """(gpus_per_node, GPU) from the arguments, ``[cluster]`` and ``[mesh]``."""
+    """(gpus_per_node, GPU) from the arguments, ``[cluster]`` and ``[mesh]``, else the GPU's
+    NVLink domain (8; a GB200 NVL72 rack's 72)."""
     table = cluster_table(pipeline.raw.get("cluster"))
-    gpn = gpus_per_node or table.gpus_per_node or pipeline.graph.gpus_per_node or 8
-    return gpn, resolve_gpu(gpu, table)
+    chip = resolve_gpu(gpu, table)
+    gpn = gpus_per_node or table.gpus_per_node or pipeline.graph.gpus_per_node or \
+        chip.gpus_per_node
+    return gpn, chip
 
 
 def estimate(pipeline, world_size: int, *, gpus_per_node: int | None = None,

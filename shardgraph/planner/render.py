@@ -60,8 +60,8 @@ def render_estimate(est: dict[str, Any]) -> str:
     lines = [head, "", *memory_lines(est), "", *time_lines(est), "",
              f"assumptions: {eff['gpu']['name']} {eff['gpu']['peak_bf16_tflops']:.0f} "
              f"TFLOP/s bf16, matmul efficiency {eff['matmul_efficiency']:.0%}, NVLink "
-             f"{eff['gpu']['intra_node_gbps']:.0f} GB/s, network "
-             f"{eff['gpu']['network_gbps']:.0f} GB/s per GPU"]
+             f"{eff['gpu']['intra_node_gbps']:.0f} GB/s among {eff['gpu']['gpus_per_node']} "
+             f"GPUs, network {eff['gpu']['network_gbps']:.0f} GB/s per GPU"]
     lines += caveat_lines(est)
     if eff.get("adapters"):
         lora = eff["adapters"]
