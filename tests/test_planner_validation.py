@@ -99,7 +99,7 @@ _GB200_LORA = ("NVIDIA's MLPerf v5.0 Llama 2 70B LoRA on 512 GB200s (cp 8 x dp 6
                "-18%, its runs on 8, 72 and 144 -13%, -11% and -13%: GB200 is priced as B200's "
                "die (no fit row of its own) at its datasheet's 2.5 PFLOPS against B200's 2.25, "
                "and its LoRA steps were 2% faster than NVIDIA's DGX B200 run of the same layout "
-               "(1.486 s against 1.513) where the planner says 10%; the 405B runs on 256 to "
+               "(1.486 s against 1.513) where the planner says 9%; the 405B runs on 256 to "
                "2,496 GB200s are within 2.1%. From 72 to 512 GPUs the step grew 8% (0.238 to "
                "0.258 s), which the planner does not see (the adapters' gradient all-reduce "
                "hides behind the backward). v5.1's runs on 72 and 512 GB200s, 16% and 18% "
