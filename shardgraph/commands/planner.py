@@ -34,7 +34,8 @@ def estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="number of GPUs; overrides [mesh] world_size")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
-                   help="GPUs per node (default: [cluster] or [mesh] gpus_per_node, else 8)")
+                   help="GPUs per node, an NVLink domain (default: [cluster] or [mesh] "
+                   "gpus_per_node, else the GPU's: 8, a GB200 NVL72 rack's 72)")
     _add_common(p)
 
 
