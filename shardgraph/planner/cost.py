@@ -50,15 +50,11 @@ from typing import Any
 
 import attrs
 
-from .gpus import GPU
+from .gpus import GPU, SAME_DIE
 from .memory import (EXTRAS, held_numel, kv_width, microbatches, stage_layers,
                      state_numel, trainable_share)
 from .shape import ModelShape, layer_kind
 from .view import PlanView, Setup
-
-
-#: a GPU priced by another's ceiling and attention share until it has its own: the same die
-SAME_DIE = {"H200": "H100-SXM", "GB200": "B200"}
 
 
 @attrs.frozen(cache_hash=True)
@@ -105,9 +101,8 @@ class Efficiency:
         return self._for(self.attention, gpu, 1.0)
 
     def _for(self, table: tuple[tuple[str, float], ...], gpu: str, default: float) -> float:
-        """``gpu``'s entry of a per-GPU table, else the same die's (H200 is H100's compute die
-        with more and faster HBM: H100's; GB200's GPU is B200's at a higher clock: B200's), else
-        ``fallback``'s."""
+        """``gpu``'s entry of a per-GPU table, else its preset's same die's
+        (``GPU.same_die``: H200 -> H100-SXM, GB200 -> B200), else ``fallback``'s."""
         found = dict(table)
         return found.get(self._name(found, gpu), default)
 

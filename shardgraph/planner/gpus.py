@@ -44,6 +44,10 @@ class GPU:
     #: GPUs of one NVLink domain: the planner's node where neither the command, ``[cluster]``
     #: nor ``[mesh]`` gives ``gpus_per_node`` (a GB200 NVL72 rack: 72)
     gpus_per_node: int = 8
+    #: the preset whose fitted ceiling and attention share price this one until it has its own:
+    #: the same compute die (H200 is H100's with more and faster HBM; GB200's GPU is B200's at a
+    #: higher clock)
+    same_die: str | None = None
 
 
 # Datasheet figures. A100: NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOPS BF16, 2,039 GB/s,
@@ -63,17 +67,19 @@ PRESETS: dict[str, GPU] = {g.name: g for g in (
         source="NVIDIA A100 datasheet; DGX A100 (8x 200 Gb/s HDR)"),
     GPU("H100-SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9,
         source="NVIDIA H100 datasheet (SXM5); DGX H100 (8x 400 Gb/s NDR)"),
-    GPU("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9,
+    GPU("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9, same_die="H100-SXM",
         source="NVIDIA H200 datasheet (SXM); DGX H200 (8x 400 Gb/s NDR)"),
     GPU("B200", 2.25e15, 180e9, 8.0e12, 900e9, 50e9,
         source="NVIDIA DGX B200 datasheet (per GPU: 1/8 of the system); 400 Gb/s per GPU"),
-    GPU("GB200", 2.5e15, 186e9, 8.0e12, 900e9, 50e9,
-        gpus_per_node=72, source="NVIDIA GB200 NVL72 datasheet (per GPU: 1/72 of the rack, "
+    GPU("GB200", 2.5e15, 186e9, 8.0e12, 900e9, 50e9, gpus_per_node=72, same_die="B200",
+        source="NVIDIA GB200 NVL72 datasheet (per GPU: 1/72 of the rack, "
         "one NVLink domain of 72); 400 Gb/s per GPU"),
     GPU("MI300X", 1307.4e12, 192e9, 5.3e12, 448e9, 50e9, intra_latency=8e-6,
         source="AMD Instinct MI300X datasheet; 400 Gb/s per GPU"),
 )}
 DEFAULT_GPU = "H100-SXM"
+#: each preset priced with another's fitted constants until it has its own (``GPU.same_die``)
+SAME_DIE = {g.name: g.same_die for g in PRESETS.values() if g.same_die}
 
 
 @attrs.frozen
