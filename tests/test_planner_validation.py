@@ -3,7 +3,10 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage error
-6.6% over the 120 rows of dense models (bound 7%; 6.8% over the 105 before MLPerf's runs on GB200
+6.3% over the 131 rows of dense models (bound 7%; 6.6% over the 120 before MosaicML's llm-foundry
+runs of MPT 7B to 70B under torch FSDP on 128 to 512 H100s, a stack with a ceiling of its own
+fitted on its 70B on 128 GPUs: the other eleven -2.1% to +14.1%, the 7B on 512 GPUs the furthest;
+6.8% over the 105 before MLPerf's runs on GB200
 NVL72, a rack of 72 as one NVLink domain: v5.0's Llama 3.1 405B on 256 to 2,496 GPUs, -1.7% to
 +2.1%, its Llama 2 70B LoRA on 8 to 512, -11% to -18% (``MISSES``: GB200 priced as B200's die at
 its datasheet peak), v5.1's, NVIDIA's and Wiwynn's, on 72 to 576, +0.5% to +8.2%); 6.1% over the 92
@@ -209,13 +212,16 @@ def test_fitted_constants_are_the_fit():
         assert cal._loss(eff, fit_rows) >= here - 1e-12, eff
     # a kernel stack's rows (Transformer Engine's H100s) fit its own ceiling and attention share
     # alone: no neighbour of either does better on them
-    # (H200's under Transformer Engine its ceiling alone: its attention share is H100's)
+    # (H200's under Transformer Engine its ceiling alone: its attention share is H100's; MPT's
+    # under Composer's FSDP, run at 2,048 tokens, its ceiling alone with torchtitan's H100 share)
     stacks = cal.stack_fit_rows()
-    assert {r.gpu.name for r in stacks} == {"H100-SXM-TE", "H200-TE"}
+    assert {r.gpu.name for r in stacks} == {"H100-SXM-TE", "H200-TE", "H100-SXM-MPT"}
     assert not set(stacks) & set(fit_rows)
     attention = dict(cal.FITTED.attention)
     assert attention["H200-TE"] == attention["H100-SXM-TE"]
-    for name, fields in (("H100-SXM-TE", ("e_max", "attention")), ("H200-TE", ("e_max",))):
+    assert attention["H100-SXM-MPT"] == attention["H100-SXM-500W"]
+    for name, fields in (("H100-SXM-TE", ("e_max", "attention")), ("H200-TE", ("e_max",)),
+                         ("H100-SXM-MPT", ("e_max",))):
         mine = [r for r in stacks if r.gpu.name == name]
         here = cal._loss(cal.FITTED, mine)
         for per_gpu in fields:
@@ -224,6 +230,26 @@ def test_fitted_constants_are_the_fit():
                 other = step(cal.GRID[per_gpu], table[name], by)
                 moved = tuple((g, other if g == name else v) for g, v in table.items())
                 assert cal._loss(attrs.evolve(cal.FITTED, **{per_gpu: moved}), mine) >= here
+
+
+
+def test_a_torch_stack_the_fit_never_saw_keeps_its_scaling():
+    """MosaicML's llm-foundry (Composer on torch FSDP, MPT's triton flash attention with ALiBi,
+    2,048 tokens): MPT 7B, 13B, 30B and 70B on 128, 256 and 512 H100s. Its kernels have a
+    ceiling of their own (``H100-SXM-MPT``, fitted on the 70B on 128 GPUs alone; its attention
+    share torchtitan's); the eleven other runs then test the rest of the model, how a step
+    grows with the model and with FSDP's rings from 128 to 512 GPUs: each within 15%, their mean
+    absolute error under 5% (measured -2.1% to +14.1%, 2.7%; the 7B on 512 GPUs the furthest,
+    its step 8% longer than on 128 where the planner says 24%: the rings' latency at 512 ranks,
+    as the University of Florida's 8B on 256 B200s)."""
+    found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
+    rows = [r for r in cal.rows() if r.source == "llmfoundry_h100"]
+    held = [r for r in rows if r.split == "test"]
+    assert len(rows) == 12 and len(held) == 11
+    assert {r.gpu.name for r in rows} == {"H100-SXM-MPT"}
+    assert {r.view.world for r in held} == {128, 256, 512}
+    assert all(abs(found[r.name]) < 0.15 for r in held), [found[r.name] for r in held]
+    assert sum(abs(found[r.name]) for r in held) / len(held) < 0.05
 
 
 def test_error_on_the_held_out_rows():
@@ -464,7 +490,8 @@ def test_transformer_engines_kernels_are_calibrated_on_their_own_rows():
                                       "mlperf_v50_nebius_llama31_405b",
                                       "mlperf_v50_oracle_llama2_lora", "mlperf_v51_llama31_8b",
                                       "mlperf_v51_krai_llama2_lora"}
-    assert not set(te) & set(cal.joint_fit_rows()) and set(cal.stack_fit_rows()) < set(te)
+    assert not set(te) & set(cal.joint_fit_rows())
+    assert {r for r in cal.stack_fit_rows() if r.source != "llmfoundry_h100"} < set(te)
     held = [r for r in te if r.split == "test" and r.view.cp == 1 and not r.shape.is_moe
             and r.name not in MISSES]
     assert len(held) >= 8

@@ -102,9 +102,11 @@ def _registry():
 def _shape(m: dict[str, Any]) -> ModelShape:
     h, heads = m["hidden"], m["heads"]
     if m["kind"] == "gpt":
-        return ModelShape(architecture="MegatronGPT", vocab=51200, hidden=h, layers=m["layers"],
-                          heads=heads, kv_heads=heads, head_dim=h // heads, intermediate=4 * h,
-                          tied=True, attention_bias=True, mlp_bias=True, gated=False)
+        bias = m.get("bias", True)  # Megatron's GPT has biases; MPT has none
+        return ModelShape(architecture="MegatronGPT", vocab=m.get("vocab", 51200), hidden=h,
+                          layers=m["layers"], heads=heads, kv_heads=heads, head_dim=h // heads,
+                          intermediate=4 * h, tied=True, attention_bias=bias, mlp_bias=bias,
+                          gated=False)
     if m["kind"] == "qwen3_moe":  # every block's MLP routed: each token to top_k experts
         return ModelShape(architecture="Qwen3MoeForCausalLM", vocab=m["vocab"], hidden=h,
                           layers=m["layers"], heads=heads, kv_heads=m["kv_heads"],
