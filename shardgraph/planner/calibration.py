@@ -147,7 +147,8 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     plugins: dict[str, dict[str, Any]] = {
         strategy[0]: strategy[1],
         "mixed_precision": {"param_dtype": "bf16",
-                            "reduce_dtype": src.get("reduce_dtype", "fp32")}}
+                            "reduce_dtype": r.get("reduce_dtype",
+                                                   src.get("reduce_dtype", "fp32"))}}
     if tp > 1:
         plugins["tp"] = {"size": tp, "loss_parallel": r.get("loss_parallel", False)}
     if r.get("sp", False):
