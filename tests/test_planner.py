@@ -182,6 +182,12 @@ def test_cli_estimate_text_and_json(tmp_path, capsys):
     assert nodes["comm 0"] < nodes["comm 2"], nodes
     assert main(["estimate", str(path), "--world-size", "256", "--gpu", "GB200"]) == 0
     assert "NVLink 900 GB/s among 72 GPUs" in capsys.readouterr().out
+    # A100 40GB: the 80GB part's die and constants, its own memory and bandwidth
+    assert main(["estimate", str(path), "--world-size", "256", "--gpu", "A100-40GB", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["assumptions"]["efficiency_curve"]["priced_as"] == "A100-80GB"
+    assert (est["assumptions"]["gpu"]["hbm_gib"], est["assumptions"]["gpu"]["hbm_tbps"]) == (40, 1.555)
+    assert not est["fits"]
     assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H2000"]) == 2
     assert "did you mean 'H200'" in capsys.readouterr().err
     # a LoRA plan says which linears its adapters are priced beside

@@ -24,8 +24,8 @@ def _world(args: argparse.Namespace, pipeline) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu", default=None, help="GPU preset (A100-80GB, H100-SXM, H200, B200, "
-                   "MI300X; default: [cluster] gpu, else H100-SXM)")
+    p.add_argument("--gpu", default=None, help="GPU preset (A100-40GB, A100-80GB, H100-SXM, H200, "
+                   "B200, GB200, MI300X; default: [cluster] gpu, else H100-SXM)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -50,8 +50,8 @@ class GPU:
     same_die: str | None = None
 
 
-# Datasheet figures. A100: NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOPS BF16, 2,039 GB/s,
-# NVLink 600 GB/s both directions) with one 200 Gb/s HDR NIC per GPU (DGX A100).
+# Datasheet figures. A100: NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOPS BF16, 2,039 GB/s; SXM4
+# 40GB: 1,555 GB/s; NVLink 600 GB/s both directions) with one 200 Gb/s HDR NIC per GPU (DGX A100).
 # H100-SXM / H200: NVIDIA H100 and H200 datasheets (989 TFLOPS BF16 dense, NVLink 900 GB/s both
 # directions) with one 400 Gb/s NDR NIC per GPU (DGX H100 / H200). B200: DGX B200 datasheet
 # (72 PFLOPS FP8 training with sparsity per 8 GPUs -> 2.25 PFLOPS dense BF16 per GPU, 1,440 GB
@@ -65,6 +65,8 @@ class GPU:
 PRESETS: dict[str, GPU] = {g.name: g for g in (
     GPU("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, fp8=False,
         source="NVIDIA A100 datasheet; DGX A100 (8x 200 Gb/s HDR)"),
+    GPU("A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, fp8=False, same_die="A100-80GB",
+        source="NVIDIA A100 datasheet (SXM4 40GB); DGX A100 (8x 200 Gb/s HDR)"),
     GPU("H100-SXM", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9,
         source="NVIDIA H100 datasheet (SXM5); DGX H100 (8x 400 Gb/s NDR)"),
     GPU("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9, same_die="H100-SXM",
