@@ -140,8 +140,10 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
         schedule = "1f1b"
     # the row's layout priced from the built-in plugins' declarations, as written in its source
     # (a Megatron row's gradient all-reduce next to tp and pp is ddp's cost on that layout)
-    strategy = {"fully_shard": ("fsdp2", {"defer_fsdp_grad_sync":
-                                          src.get("defer_grad_sync", True)}),
+    fsdp2 = {"defer_fsdp_grad_sync": src.get("defer_grad_sync", True)}
+    if "reshard_after_forward" in r:  # false: ZeRO-2 (FSDP1's SHARD_GRAD_OP)
+        fsdp2["reshard_after_forward"] = r["reshard_after_forward"]
+    strategy = {"fully_shard": ("fsdp2", fsdp2),
                 "sharded": ("megatron_fsdp", {"zero_dp_strategy": r.get("zero", 3)}),
                 "replicate": ("ddp", {})}[r["strategy"]]
     plugins: dict[str, dict[str, Any]] = {
