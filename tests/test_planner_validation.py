@@ -8,25 +8,25 @@ runs of MPT 125M to 70B under torch FSDP on 8 to 512 H100s and 8 to 128 A100s of
 512 to 65,536 tokens, a stack with a ceiling and attention share of its own on each die fitted on
 two of its runs: the other 205 7.2%, 4.9% over the 178 within 15%, the 7B on 512 H100s +14%, its 1B
 and 3B with ZeRO-2 on 512 +16% and +19%, its narrow models' attention +15% to +43%, its 30B at
-8,192 tokens on one node -23% and two outliers of the 40GB table ``MISSES``; 7.0% over 241 before
-the 40GB table's 78; 6.8% over the 105 before MLPerf's runs on GB200 NVL72, a rack of 72 as one
-NVLink domain: v5.0's Llama 3.1 405B on 256 to 2,496 GPUs, -1.7% to +2.1%, its Llama 2 70B LoRA on
-8 to 512, -11% to -18% (``MISSES``: GB200 priced as B200's die at its datasheet peak), v5.1's,
-NVIDIA's and Wiwynn's, on 72 to 576, +0.5% to +8.2%); 6.1% over the 92 before the University of
-Florida's MLPerf v5.1 runs on B200: Llama 3.1 8B on 8 to 256 GPUs, +0.6%, -0.2%, +4.2%, +12.4%,
-+30% and +63% (``MISSES``: ring latency at 256 ranks), Llama 3.1 405B on 256 and 448, +2.5% and
-+1.2%, Llama 2 70B LoRA on 8 to 128 with cp 1, 4 and 8, +6.4% to +11.5% (v5.0's runs of two of
-those layouts, whose steps took 15% and 19% longer, -6.1% and -8.3%); 6.2% over the 89 before
-Krai's MLPerf v5.1 Llama 2 70B LoRA runs with tp 2 and 4 and no cp on 16 to 64 H200s, -5.6%, +3.8%
-and +3.1%; 5.8% over the 86 before MLPerf v5.1's three Llama 3.1 8B runs on H100 and H200, -14%,
--27% and +6%; 5.9% over the 83 before Megatron-Bridge 26.06's Llama 3.1 405B, Llama 3 70B SFT and
-LoRA on H100, -1.6%, -7.0% and -3.1%; 6.1% before Transformer Engine's FP8 attention was priced,
-cost.Efficiency.float8_attention; 6.3% before a matmul's short reduction was priced,
-cost.efficiency's k0; 5.9% over the 81 before Oracle's two MLPerf v5.0 LoRA runs), 7.5% over 329
-(7.7% over 245 before the 40GB table's, 8.0% over 124 before llm-foundry's, 8.4% over the 109
-before GB200's) with Megatron-Bridge's four Qwen3 mixture-of-experts rows, -74% to +11% (bound 9%:
-the planner's MoE step times are calibrated on no run; ``MISSES``; 9.0% with the 235B on 256 H100s
-at +76% before a tp rank's dispatch was priced as its share of the sequence); MLPerf Training
+8,192 tokens on one node -23% and two outliers of the 40GB table ``MISSES``; 6.9% over 319 before
+the six ZeRO-2 runs, 7.0% over 241 before the 40GB table's 78; 6.8% over the 105 before MLPerf's
+runs on GB200 NVL72, a rack of 72 as one NVLink domain: v5.0's Llama 3.1 405B on 256 to 2,496 GPUs,
+-1.7% to +2.1%, its Llama 2 70B LoRA on 8 to 512, -11% to -18% (``MISSES``: GB200 priced as B200's
+die at its datasheet peak), v5.1's, NVIDIA's and Wiwynn's, on 72 to 576, +0.5% to +8.2%); 6.1% over
+the 92 before the University of Florida's MLPerf v5.1 runs on B200: Llama 3.1 8B on 8 to 256 GPUs,
++0.6%, -0.2%, +4.2%, +12.4%, +30% and +63% (``MISSES``: ring latency at 256 ranks), Llama 3.1 405B
+on 256 and 448, +2.5% and +1.2%, Llama 2 70B LoRA on 8 to 128 with cp 1, 4 and 8, +6.4% to +11.5%
+(v5.0's runs of two of those layouts, whose steps took 15% and 19% longer, -6.1% and -8.3%); 6.2%
+over the 89 before Krai's MLPerf v5.1 Llama 2 70B LoRA runs with tp 2 and 4 and no cp on 16 to 64
+H200s, -5.6%, +3.8% and +3.1%; 5.8% over the 86 before MLPerf v5.1's three Llama 3.1 8B runs on
+H100 and H200, -14%, -27% and +6%; 5.9% over the 83 before Megatron-Bridge 26.06's Llama 3.1 405B,
+Llama 3 70B SFT and LoRA on H100, -1.6%, -7.0% and -3.1%; 6.1% before Transformer Engine's FP8
+attention was priced, cost.Efficiency.float8_attention; 6.3% before a matmul's short reduction was
+priced, cost.efficiency's k0; 5.9% over the 81 before Oracle's two MLPerf v5.0 LoRA runs), 7.5%
+over 329 (7.7% over 245 before the 40GB table's, 8.0% over 124 before llm-foundry's, 8.4% over the
+109 before GB200's) with Megatron-Bridge's four Qwen3 mixture-of-experts rows, -74% to +11% (bound
+9%: the planner's MoE step times are calibrated on no run; ``MISSES``; 9.0% with the 235B on 256
+H100s at +76% before a tp rank's dispatch was priced as its share of the sequence); MLPerf Training
 v5.0's seven Llama 3.1 405B runs -4.4% to +0.1%, its Llama 2 70B LoRA on 8 B200s -6.1%, Oracle's on
 64 B200s with cp 8 -8.3% and on 512 H200s without CUDA graphs -38% (``MISSES``: Azure's run of the
 same code and layout with them took 28% less); the 68 rows held out before Dell's, Lenovo's and
