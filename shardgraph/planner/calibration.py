@@ -7,10 +7,11 @@ better) and reports the error on the ``test`` rows, which the fit never saw. A m
 source measured on and off in one run (a pair: ``eager_twin``, ``overlap_twin``) is fitted on
 its pair alone: what a compiled block keeps, what an overlapped tp collective still costs;
 a speed-up published as a ratio alone (a ``[[gain]]``) on the run it names: float8 attention's.
-Kernels shardgraph does not run (Transformer Engine's, under Megatron-Core and NeMo) have a
-ceiling and attention share of their own, fitted on their own fit rows given the shared
-constants (``stack_fit_rows``): their rows then check the rest of the model (schedules,
-collectives, LoRA) rather than a kernel library's speed.
+Kernels shardgraph does not run (Transformer Engine's, under Megatron-Core and NeMo; MPT's
+triton flash attention, under llm-foundry) have a ceiling and attention share of their own,
+fitted on their own fit rows given the shared constants (``stack_fit_rows``): their rows then
+check the rest of the model (schedules, collectives, LoRA, FSDP's scaling) rather than a kernel
+library's speed.
 
 A row's layout is priced as written in its source, also where shardgraph would lay it out
 otherwise (Megatron's data parallelism is a gradient all-reduce next to tp and pp; shardgraph's
@@ -477,10 +478,11 @@ def joint_fit_rows() -> list[Row]:
 
 def stack_fit_rows() -> list[Row]:
     """The fit rows of a source that declares ``shared_fit = false``: kernels shardgraph does
-    not run (Transformer Engine's), calibrated under a name of their own (``calibrate_as``).
-    They fit that name's ceiling and attention share alone, given the shared constants: all
-    of them run in float8, and in the joint fit their ceiling and the shared float8 speed-up
-    (torchao's) would trade one for the other."""
+    not run (Transformer Engine's, MPT's triton attention), calibrated under a name of their
+    own (``calibrate_as``). They fit that name's ceiling and attention share alone, given the
+    shared constants: Transformer Engine's all run in float8, and in the joint fit their
+    ceiling and the shared float8 speed-up (torchao's) would trade one for the other; MPT's
+    attention kernel is not the flash attention the other torch rows run."""
     return [r for r in rows() if r.split == "fit" and r.metric is not None
             and not _shared_fit(r)]
 
