@@ -3,7 +3,15 @@ row cited): the efficiency constants are the fit on the ``fit`` rows, and the er
 ``test`` rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage error
-7.0% over the 325 rows of dense models (bound 7.5%; 6.6% over the 120 before MosaicML's llm-foundry
+5.8% over the 312 rows of dense models (bound 6.5%), 4.6% over the 289 of them not in ``MISSES``,
+6.4% over 316 with Megatron-Bridge's four Qwen3 mixture-of-experts rows (bound 7.5%), no row off by
+more than 76% (the MoE rows; bound 80%); 6.3% over the 120 held out before llm-foundry's runs,
+llm-foundry's 192 5.5%; held-out memory MAPE 4.3% over 16 rows (bound 10%), none more than 5% under
+a measured peak. The figures since, each as measured when its change landed (the misses' current
+figures are in ``MISSES``): 7.0% over 325 before a ring's latency was NCCL's and the intensity
+curve (x0, k0) was fitted on llm-foundry's size sweep (whose 13 runs left the held-out set then),
+on the same 310 rows 6.9% against 5.8%. Earlier: 7.0% over the 325 rows of dense models (bound
+7.5%; 6.6% over the 120 before MosaicML's llm-foundry
 runs of MPT 125M to 70B under torch FSDP on 8 to 512 H100s and 8 to 128 A100s of 80 and 40 GB at
 512 to 65,536 tokens, a stack with a ceiling and attention share of its own on each die fitted on
 two of its runs: the other 205 7.2%, 4.9% over the 178 within 15%, the 7B on 512 H100s +14%, its 1B
@@ -66,32 +74,37 @@ from shardgraph.planner import calibration as cal
 from shardgraph.planner.cost import step_time
 from shardgraph.planner.gpus import resolve_gpu
 
-TIME_MAPE_BOUND = 0.075  # the dense models' rows (0.07 before llm-foundry's 121)
-TIME_MAPE_BOUND_WITH_MOE = 0.09  # and Megatron-Bridge's four Qwen3 MoE rows (-74% to +11%)
-TIME_ROW_BOUND = 0.8  # Megatron-Bridge's Qwen3 30B-A3B on B200, -74.0%
+TIME_MAPE_BOUND = 0.065  # the dense models' rows (0.075 before NCCL's ring latency)
+TIME_MAPE_BOUND_WITH_MOE = 0.075  # and Megatron-Bridge's four Qwen3 MoE rows (-76% to +9%)
+TIME_ROW_BOUND = 0.8  # Megatron-Bridge's Qwen3 30B-A3B on B200, -76.0%
 MEMORY_MAPE_BOUND = 0.10
 MEMORY_UNDER_BOUND = cal.UNDER  # the safe direction: at most 5% under a measured peak
 
 _LORA_CP = ("MLPerf Training v4.0's Llama 2 70B LoRA with cp 2 on 64 and 1,024 H100s (one "
             "micro-batch of 4,096 tokens a rank a step) takes 0.64 and 0.67 s a step where the "
             "8-GPU run's micro-batch of 8,192 tokens takes 0.93 s: cp 2 halves the work at 1.45 "
-            "times the speed, the planner at 1.9 (-25% and -29%). Found in part: v4.1's runs of "
+            "times the speed, the planner at 1.9 (-26% and -29%). Found in part: v4.1's runs of "
             "the same layouts add per-layer CUDA graphs (LAYER_CUDA_GRAPH) and drop the amax "
             "all-reduce (FP8_REDUCE_AMAX) and take 0.54 and 0.55 s (15% and 18% less) where the "
             "one-node run gained 1.3%: v4.0's cp runs, one micro-batch of 80 layers a step, "
             "waited mostly on the host's kernel launches, which the planner does not price; "
             "v4.1's, which also turned FP8 attention off (FP8_DPA = 0; v4.0's cp runs kept it "
-            "on as the 8-GPU runs do), are priced -10% and -9%")
+            "on as the 8-GPU runs do), are priced -10% and -11%")
+_TP_CP_LORA = ("Azure's MLPerf v4.1 Llama 2 70B LoRA on 512 H200s (tp 4 x cp 2, one micro-batch "
+               "of 4,096 tokens a rank a step, per-layer CUDA graphs) is priced -17%: every run "
+               "of that layout is under, by 10% to 17% (``tp_cp_lora``), what they pay beyond "
+               "the price not found")
 _GPT3_B200 = ("MLPerf Training v4.1's GPT-3 175B on 64 B200s (TP 4, PP 8, VP 6, 512 "
-              "micro-batches of 2 a step) is priced +21%: B200's ceiling and attention share are "
+              "micro-batches of 2 a step) is priced +20%: B200's ceiling and attention share are "
               "fitted on one run, Megatron-Bridge's Llama 3 8B (data parallel, sequences of "
               "8,192: its attention a large share), which does not separate them; the same "
               "run's H100s, calibrated on a GPT-3 run and a Llama one, are within 3%. With "
-              "Megatron-Bridge's 405B B200 run in the fit as well, B200's attention share is 0.6 "
-              "and this row within 15%, but the shared fit moves k0 to 0 (fit()'s docstring)")
+              "Megatron-Bridge's 405B B200 run in the fit as well, B200's attention share moves "
+              "(0.6 to 0.7, not 1.0) and this row comes within 15%, but the held-out B200 and "
+              "GB200 405B runs fall 4 to 8 points (fit()'s docstring)")
 _MOE_SMALL = ("Megatron-Bridge's Qwen3 30B-A3B (128 experts of width 768, 8 a token) on 16 H100s "
-              "(pp 2 x ep 8) and on 8 B200s (ep 8) is priced -64% and -74%, and its Qwen3 "
-              "235B-A22B on 64 B200s (pp 8 x ep 8, every ep group in a node) -50%: they ran at "
+              "(pp 2 x ep 8) and on 8 B200s (ep 8) is priced -66% and -76%, and its Qwen3 "
+              "235B-A22B on 64 B200s (pp 8 x ep 8, every ep group in a node) -52%: they ran at "
               "121, 214 and 484 model TFLOP/s a GPU (12%, 10% and 22% of bf16 peak). The planner "
               "prices the experts' matmuls on the dense linears' intensity curve and nothing of "
               "the router, the tokens' permutation or the grouped GEMMs' launches; the table's "
@@ -101,117 +114,96 @@ _MOE_SMALL = ("Megatron-Bridge's Qwen3 30B-A3B (128 experts of width 768, 8 a to
               "10,494 tokens/s a GPU against 9,299 and 5,275: the dispatcher's implementation, "
               "not the FLOPs, sets these steps. The planner's mixture-of-experts step times are "
               "calibrated on no run")
-_GB200_LORA = ("NVIDIA's MLPerf v5.0 Llama 2 70B LoRA on 512 GB200s (cp 8 x dp 64, eight NVL72 "
-               "racks, one micro-batch of 8,192 tokens a replica a step, CUDA graphs) is priced "
-               "-18%, its runs on 8, 72 and 144 -13%, -11% and -13%: GB200 is priced as B200's "
-               "die (no fit row of its own) at its datasheet's 2.5 PFLOPS against B200's 2.25, "
-               "and its LoRA steps were 2% faster than NVIDIA's DGX B200 run of the same layout "
-               "(1.486 s against 1.513) where the planner says 9%; the 405B runs on 256 to "
-               "2,496 GB200s are within 2.1%. From 72 to 512 GPUs the step grew 8% (0.238 to "
-               "0.258 s), which the planner does not see (the adapters' gradient all-reduce "
-               "hides behind the backward). v5.1's runs on 72 and 512 GB200s, 16% and 18% "
-               "faster, are priced +6.7% and +1.0%: the planner sits between two versions of the "
-               "same code, as for B200")
-_CP2_64K = ("torchtitan's Llama 3.1 8B at 64k tokens with cp 2 (Table 2) is priced +28%: each "
+_CP8_LORA = ("MLPerf v5.0's Llama 2 70B LoRA with cp 8 (one micro-batch of 8,192 tokens a "
+             "replica a step, 1,024 a rank, CUDA graphs): Oracle's on 64 B200s is priced -16%, "
+             "NVIDIA's on 72, 144 and 512 GB200s (NVL72 racks, priced as B200's die with no fit "
+             "row of their own at the datasheet's 2.5 PFLOPS against B200's 2.25) -19%, -20% "
+             "and -25%. v5.1's runs of the layout on 72 to 576 GB200s, 16% to 18% faster, are "
+             "priced -1% to -8%, the University of Florida's on 64 and 128 B200s within 2%: the "
+             "planner prices v5.1's code, and what v5.0's paid beyond it grows with the racks "
+             "(its step grew 8% from 72 to 512 GPUs, 0.238 to 0.258 s, which the planner does "
+             "not see: the adapters' gradient all-reduce hides behind the backward)")
+_CP2_64K = ("torchtitan's Llama 3.1 8B at 64k tokens with cp 2 (Table 2) is priced +33%: each "
             "rank holds 32k tokens in its four runs (cp 1 to 8 at 32k to 256k), whose step times "
             "give one unit of causal attention 6.2, 5.35, 7.1 and 7.2 s: no one rate fits them "
             "(torch's ring attention does nothing special at cp 2), and the rate the fit gives "
-            "prices the 128k and 256k runs within 1%")
+            "prices the 128k and 256k runs within 3%")
 _NO_GRAPHS = ("Oracle's MLPerf v5.0 Llama 2 70B LoRA on 512 H200s is Azure's v4.1 run (the same "
               "NVIDIA v4.1 code, layout tp 4 x cp 2, batch 64, one micro-batch of 4,096 tokens "
               "a rank a step, GPUs) without per-layer CUDA graphs (LAYER_CUDA_GRAPH unset: "
               "enable_cuda_graph False) and took 0.793 s a step against Azure's 0.572, 39% "
-              "more, priced -38%: each layer's kernels launched by the host one micro-batch at "
+              "more, priced -40%: each layer's kernels launched by the host one micro-batch at "
               "a time set the pace; the planner prices no kernel launch. (MLPerf v4.0's runs of "
               "the layout without graphs, NeMo 24.04, took 0.64 and 0.67 s: no one host cost "
               "per layer prices both versions within 15%)")
-_CISCO_TP2 = ("Cisco's MLPerf v5.1 Llama 3.1 8B on 128 H100s (tp 2 with userbuffers, dp 64, one "
-              "micro-batch a step, pytorch 25.01 and NeMo 2.4.0 without CUDA graphs) is priced "
-              "-27%, its run on 64 H100s without tp -14%: tp 2 made the step 1.41 times as fast "
-              "on twice the GPUs (1.49 by the logs' median step times), the planner 1.67. Its "
-              "steps are spread (median 0.485 s, mean 0.508, p95 0.530: an Ethernet fabric), and "
-              "tp 2 halves each layer's work but not its kernel launches, which no CUDA graph "
-              "replays here and the planner does not price; HPE's run of NVIDIA's 25.09 code "
-              "with CUDA graphs of the whole step (64 H200s, cp 2) is priced +6%: what sets the "
-              "one-micro-batch runs of this model is not found")
-_UF_DP = ("the University of Florida's MLPerf v5.1 Llama 3.1 8B on 128 and 256 B200s (cp 2, dp 64 "
-          "and 128, one micro-batch of 4,096 tokens a GPU a step, CUDA graphs of the whole step) "
-          "is priced +30% and +63%: its step took 0.190, 0.191, 0.194 and 0.223 s on 32 to 256 "
-          "GPUs, the planner 0.198, 0.214, 0.252 and 0.362; the difference is the distributed "
-          "optimizer's reduce-scatters and all-gathers over the 256 ranks of dp x cp, whose "
-          "rings the planner charges 15 us of network latency at each of their 255 hops (0.11 "
-          "and 0.22 s exposed). NCCL's own model (src/graph/tuning.cc) charges the network's "
-          "latency only to the hops that leave a node (31 of 255), NVLink's to the rest: priced "
-          "so, these rows are within 8%, but torchtitan's FSDP on 128 H100s (fit rows) fall 2 to "
-          "3 points under and the joint fit moves to another basin (x0 200, k0 64, float8 2.0): "
-          "on the 120 dense rows held out before llm-foundry's its held-out MAPE was 8% to 10%, "
-          "on the 241 with llm-foundry's H100 and A100 80GB runs 6.4% against 7.0%, with 24 "
-          "planner tests' figures to move: not yet adopted")
-_MPT_NARROW = ("MosaicML's MPT 125M, 350M and 760M (hidden 768, 1,024 and 1,536) on A100s of "
-               "80 and 40 GB are priced +15% to +43%, the error growing with the sequence (+8% "
-               "at 512 tokens, +43% at 65,536 for the 125M): flash attention is priced at a "
-               "share of the linears' efficiency, which the intensity curve puts at about half "
-               "its ceiling at these widths. Priced at its share of the ceiling instead, these "
-               "rows swing to -21% (the 125M at 65,536 tokens) and the held-out MAPE of the "
-               "other sources rises from 6.6% to 8.0% (8.9% refitted, x0 and k0 at 200 and 0): "
-               "attention's speed at head_dim 64 lies between the two and is not modelled")
-_MPT_30B_8K = ("MPT 30B at 8,192 tokens on 8 GPUs (A100 and H100, one micro-batch, 21 a step, "
-               "full checkpointing) is priced -23%: the step took 2.8 (A100) and 2.6 (H100) "
-               "times the 4,096-token run's, which holds the same tokens a step; FSDP's "
-               "sharded weights, gradients and AdamW states of 30B take 60 GB a GPU there, "
-               "and what the allocator does with the rest is not priced")
+_CISCO = ("Cisco's MLPerf v5.1 Llama 3.1 8B on 64 and 128 H100s (dp 64 alone, and tp 2 with "
+          "userbuffers x dp 64; one micro-batch a step, pytorch 25.01 and NeMo 2.4.0 without "
+          "CUDA graphs) is priced -16% and -31%: tp 2 made the step 1.41 times as fast on twice "
+          "the GPUs (1.49 by the logs' median step times), the planner 1.67. Its steps are "
+          "spread (median 0.485 s, mean 0.508, p95 0.530: an Ethernet fabric), and tp 2 halves "
+          "each layer's work but not its kernel launches, which no CUDA graph replays here and "
+          "the planner does not price; HPE's run of NVIDIA's 25.09 code with CUDA graphs of the "
+          "whole step (64 H200s, cp 2) and the University of Florida's on 8 to 256 B200s are "
+          "within 6%: what sets the one-micro-batch runs of this model without graphs is not "
+          "found")
+_MPT_NARROW = ("MosaicML's MPT 125M and 760M (hidden 768 and 1,536) on A100 80GB at the ends of "
+               "the table's sequences: the 125M at 32,768 and 65,536 tokens +18% and +21% (the "
+               "error grows with the sequence, -7% at 512 tokens), the 760M at 512 and 1,024 "
+               "tokens -21% and -16% (micro-batches of 96 and 48: +0.5% at 2,048 and beyond). "
+               "Flash attention is priced at a share of the linears' efficiency, which the "
+               "intensity curve puts low at these widths; priced at its share of the ceiling "
+               "instead the 125M swings under and the other sources' error rises (8.9% "
+               "refitted): attention's speed at head_dim 64 lies between the two and is not "
+               "modelled")
+_MPT_AC = ("MPT 7B to 70B under full activation checkpointing on H100s at 1,024 to 4,096 tokens "
+           "are priced +8% to +18% (the four past 15%: the 7B and 13B at 1,024 tokens on 8 "
+           "GPUs, the 13B on 128 and the 30B on 32), on A100 80GB +7% to +15%; the stack's runs "
+           "without checkpointing (760M to 13B, 512 to 32,768 tokens) are within 7% on H100, "
+           "its checkpointed runs at 16,384 tokens and beyond within 9%, and the 40GB table's "
+           "checkpointed 7B at 512 to 16,384 tokens within 3%. The stack's ceiling is fitted "
+           "on both kinds (its size sweep at 2,048 tokens runs the 30B checkpointed, the rest "
+           "not) and sits between them; the overpriced runs hold the largest micro-batches "
+           "(40,960 to 65,536 tokens on 8 GPUs, against 24,576 for the 40GB table's 7B): what "
+           "they pay less than the planner says is not found")
+_MPT_30B_8K = ("MPT 30B at 8,192 tokens on 8 A100s (one micro-batch, 21 a step, full "
+               "checkpointing) is priced -22%: the step took 2.8 times the 4,096-token run's, "
+               "which holds the same tokens a step; FSDP's sharded weights, gradients and AdamW "
+               "states of 30B take 60 GB a GPU there, and what the allocator does with the rest "
+               "is not priced (the H100 run of the layout, 2.6 times, -14%)")
 _MPT_OUTLIERS = ("two of llm-foundry's A100 40GB runs are slower per GPU than their neighbours in "
                  "the table, which the planner prices alike: the 1B on 32 GPUs (15,555 tokens/s a "
-                 "GPU against 18,647 to 19,271 on 8, 16, 64 and 128 at the same micro-batch) -17%, "
-                 "and the 70B on 64 (276 against 376 on 128; micro-batches of 2 against 4) -23%, "
+                 "GPU against 18,647 to 19,271 on 8, 16, 64 and 128 at the same micro-batch) -22%, "
+                 "and the 70B on 64 (276 against 376 on 128; micro-batches of 2 against 4) -24%, "
                  "its sharded weights, gradients and AdamW states a third more of the 40 GB a GPU "
                  "than on 128: not explained")
-_MPT_512 = ("llm-foundry's MPT 1B and 3B on 512 H100s with FSDP's SHARD_GRAD_OP (ZeRO-2) are "
-            "priced +16% and +19%: their steps took 11% and 8% longer than on 128 GPUs, the "
-            "planner 26% and 28%, as its rings' latency grows with the ranks (15 us a hop); "
-            "NCCL's latency model (see _UF_DP) takes most of it away")
 #: held-out rows priced more than 15% off, with why (each a strict expected failure below)
 MISSES = {"Llama 3.1 8B FSDP 4 CP 2 seq 64k + compile + Float8 (Table 2)": _CP2_64K,
           "Llama 2 70B LoRA r16 TP 4 CP 2 64 H100 FP8 (MLPerf Training v4.0)": _LORA_CP,
           "Llama 2 70B LoRA r16 TP 4 CP 2 1024 H100 FP8 (MLPerf Training v4.0)": _LORA_CP,
-          "Llama 3.1 8B TP 2 DP 64 128 H100 FP8 (MLPerf Training v5.1, Cisco)": _CISCO_TP2,
+          "Llama 2 70B LoRA r16 TP 4 CP 2 512 H200 FP8 (MLPerf Training v4.1, Azure)":
+          _TP_CP_LORA,
+          "Llama 3.1 8B DP 64 64 H100 FP8 (MLPerf Training v5.1, Cisco)": _CISCO,
+          "Llama 3.1 8B TP 2 DP 64 128 H100 FP8 (MLPerf Training v5.1, Cisco)": _CISCO,
           "GPT-3 175B TP 4 PP 8 VP 6 64 B200 FP8 (MLPerf Training v4.1)": _GPT3_B200,
           "Qwen3 30B-A3B TP 1 PP 2 VP 24 EP 8 16 H100 FP8 (Megatron-Bridge 25.11)": _MOE_SMALL,
           "Qwen3 30B-A3B EP 8 8 B200 FP8-MX (Megatron-Bridge 25.11)": _MOE_SMALL,
           "Qwen3 235B-A22B PP 8 VP 2 EP 8 64 B200 FP8-MX (Megatron-Bridge 25.11)": _MOE_SMALL,
           "Llama 2 70B LoRA r16 TP 4 CP 2 512 H200 FP8 (MLPerf Training v5.0, Oracle, no CUDA "
           "graphs)": _NO_GRAPHS,
-          "Llama 2 70B LoRA r16 CP 8 DP 64 512 GB200 FP8 (MLPerf Training v5.0)": _GB200_LORA,
-          "Llama 3.1 8B CP 2 DP 64 128 B200 FP8 (MLPerf Training v5.1, University of Florida)":
-          _UF_DP,
-          "Llama 3.1 8B CP 2 DP 128 256 B200 FP8 (MLPerf Training v5.1, University of Florida)":
-          _UF_DP,
-          "MPT-125M FSDP 8 A100 seq 16384 mb 4 (llm-foundry)": _MPT_NARROW,
+          "Llama 2 70B LoRA r16 CP 8 64 B200 FP8 (MLPerf Training v5.0, Oracle)": _CP8_LORA,
+          "Llama 2 70B LoRA r16 CP 8 DP 9 72 GB200 FP8 (MLPerf Training v5.0)": _CP8_LORA,
+          "Llama 2 70B LoRA r16 CP 8 DP 18 144 GB200 FP8 (MLPerf Training v5.0)": _CP8_LORA,
+          "Llama 2 70B LoRA r16 CP 8 DP 64 512 GB200 FP8 (MLPerf Training v5.0)": _CP8_LORA,
           "MPT-125M FSDP 8 A100 seq 32768 mb 2 (llm-foundry)": _MPT_NARROW,
-          "MPT-125M FSDP 8 A100 seq 4096 mb 16 (llm-foundry)": _MPT_NARROW,
           "MPT-125M FSDP 8 A100 seq 65536 mb 1 (llm-foundry)": _MPT_NARROW,
-          "MPT-125M FSDP 8 A100 seq 8192 mb 8 (llm-foundry)": _MPT_NARROW,
+          "MPT-760M FSDP 8 A100 seq 512 mb 96 (llm-foundry)": _MPT_NARROW,
+          "MPT-760M FSDP 8 A100 seq 1024 mb 48 (llm-foundry)": _MPT_NARROW,
+          "MPT-7B FSDP 8 H100 seq 1024 mb 64 AC (llm-foundry)": _MPT_AC,
+          "MPT-13B FSDP 8 H100 seq 1024 mb 40 AC (llm-foundry)": _MPT_AC,
+          "MPT-13B FSDP 128 H100 seq 2048 mb 16 AC (llm-foundry)": _MPT_AC,
+          "MPT-30B FSDP 32 H100 seq 2048 mb 14 AC (llm-foundry)": _MPT_AC,
           "MPT-30B FSDP 8 A100 seq 8192 mb 1 AC (llm-foundry)": _MPT_30B_8K,
-          "MPT-30B FSDP 8 H100 seq 8192 mb 1 AC (llm-foundry)": _MPT_30B_8K,
-          "MPT-350M FSDP 8 A100 seq 16384 mb 4 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 seq 2048 mb 32 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 seq 32768 mb 2 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 seq 4096 mb 16 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 seq 65536 mb 1 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 seq 8192 mb 8 (llm-foundry)": _MPT_NARROW,
-          "MPT-760M FSDP 8 A100 seq 65536 mb 1 AC (llm-foundry)": _MPT_NARROW,
-          "MPT-1B FSDP 512 H100 seq 2048 mb 12 ZeRO-2 (llm-foundry)": _MPT_512,
-          "MPT-3B FSDP 512 H100 seq 2048 mb 8 ZeRO-2 (llm-foundry)": _MPT_512,
-          "MPT-125M FSDP 8 A100 40GB seq 16384 mb 2 (llm-foundry)": _MPT_NARROW,
-          "MPT-125M FSDP 8 A100 40GB seq 32768 mb 1 (llm-foundry)": _MPT_NARROW,
-          "MPT-125M FSDP 8 A100 40GB seq 4096 mb 13 (llm-foundry)": _MPT_NARROW,
-          "MPT-125M FSDP 8 A100 40GB seq 8192 mb 5 (llm-foundry)": _MPT_NARROW,
           "MPT-1B FSDP 32 A100 40GB seq 2048 mb 10 (llm-foundry)": _MPT_OUTLIERS,
-          "MPT-350M FSDP 128 A100 40GB seq 2048 mb 18 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 40GB seq 16384 mb 2 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 40GB seq 32768 mb 1 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 40GB seq 4096 mb 8 (llm-foundry)": _MPT_NARROW,
-          "MPT-350M FSDP 8 A100 40GB seq 8192 mb 4 (llm-foundry)": _MPT_NARROW,
           "MPT-70B FSDP 64 A100 40GB seq 2048 mb 2 AC (llm-foundry)": _MPT_OUTLIERS}
 
 
@@ -287,6 +279,24 @@ def test_fitted_constants_are_the_fit():
                 other = step(cal.GRID[per_gpu], table[name], by)
                 moved = tuple((g, other if g == name else v) for g, v in table.items())
                 assert cal._loss(attrs.evolve(cal.FITTED, **{per_gpu: moved}), mine) >= here
+    # the matmuls' intensity curve (x0, k0) is fitted first, on the rows of the stacks fitted
+    # alone (llm-foundry's size sweep among them), each stack's ceiling and attention share at
+    # their best, the other fields at the grid's middle: no neighbour does better there
+    alone = [r for r in stacks if r.gpu.name != "H200-TE"]
+    middle = {f: cal.GRID[f][len(cal.GRID[f]) // 2] for f in cal.FIELDS}
+    middle.update(matmul_overlap=cal.FITTED.matmul_overlap,
+                  float8_attention=cal.FITTED.float8_attention)
+
+    def curve(x0: float, k0: float) -> float:
+        return cal._efficiency({**middle, "x0": x0, "k0": k0}, alone)[0]
+
+    here = curve(cal.FITTED.x0, cal.FITTED.k0)
+    for field in ("x0", "k0"):
+        for by in (-1, 1):
+            other = step(cal.GRID[field], getattr(cal.FITTED, field), by)
+            if other is not None:
+                point = {"x0": cal.FITTED.x0, "k0": cal.FITTED.k0, field: other}
+                assert curve(**point) >= here, point
 
 
 
@@ -294,27 +304,29 @@ def test_a_torch_stack_the_fit_never_saw_keeps_its_scaling():
     """MosaicML's llm-foundry (Composer on torch FSDP, MPT's triton flash attention with ALiBi):
     MPT 125M to 70B on 8 to 512 H100s and on 8 to 128 A100s of 80 and 40 GB, 512 to 65,536
     tokens, every bf16 row of its tables (ZeRO-3, and ZeRO-2 for six large-scale H100 runs). Its
-    kernels have a ceiling and attention share of their own on each die, fitted on two runs
-    each (H100: the 70B on 128 GPUs and the 7B at 32,768 tokens on 8; A100 80GB: the 7B at 2,048
-    and 32,768 tokens on 8; the 40GB runs are priced with those): 0.72 and 0.3 on H100, 0.83 and
-    0.5 on A100 (its triton attention at a third to a half of the linears' speed; torch's flash
-    attention on A100 at all of it). The 205 other runs then test the rest of the model: how a
-    step grows with the model, the sequence, checkpointing, HBM and FSDP's rings up to 512
-    GPUs. Each within 15% but ``MISSES`` (the narrow models' attention, the 30B at 8,192 tokens
-    on one node, two outliers of the 40GB table, the ZeRO-2 runs on 512 GPUs), and those runs'
-    mean absolute error under 6% (measured 4.9% over 178; the 7B on 512 H100s +14%: the rings'
-    latency at 512 ranks, as the University of Florida's 8B on 256 B200s)."""
+    kernels have a ceiling and attention share of their own on each die, fitted on its size
+    sweep (every model on 8 GPUs at 2,048 tokens: 125M to 30B on A100 80GB, 760M to 30B on
+    H100) and two more runs each (H100: the 70B on 128 GPUs and the 7B at 32,768 tokens on 8;
+    A100 80GB: the 7B at 32,768 tokens; the 40GB runs are priced with the 80GB table's
+    constants): 0.57 and 0.4 on H100, 0.77 and 0.5 on A100 (its triton attention at a half or
+    less of the linears' speed; torch's flash attention on A100 at all of it). The sweep also
+    fits the matmuls' intensity curve (``fit``: x0, k0), which no other source's runs pin. The
+    192 other runs then test the rest of the model: how a step grows with the sequence,
+    checkpointing, HBM and FSDP's rings up to 512 GPUs. Each within 15% but ``MISSES`` (the
+    narrow models at the ends of the sequences, checkpointed runs of large micro-batches on
+    H100, the 30B at 8,192 tokens on one A100 node, two outliers of the 40GB table), and those
+    runs' mean absolute error under 6% (measured 4.7% over 181; all 192: 5.5%)."""
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     rows = [r for r in cal.rows() if r.source.startswith("llmfoundry")]
     held = [r for r in rows if r.split == "test"]
-    assert len(rows) == 209 and len(held) == 205
+    assert len(rows) == 209 and len(held) == 192
     assert {r.gpu.name for r in rows} == {"H100-SXM-MPT", "A100-80GB-MPT"}
     assert {r.gpu.hbm_bw for r in rows} == {3.35e12, 2.039e12, 1.555e12}
     assert {r.view.reshard_after_forward for r in held} == {True, False}  # ZeRO-3 and ZeRO-2
     assert {r.view.world for r in held} == {8, 16, 32, 64, 128, 256, 512}
     assert {r.setup.seq_len for r in held} == {2 ** i for i in range(9, 17)}
     kept = [found[r.name] for r in held if r.name not in MISSES]
-    assert len(kept) == 178 and all(abs(e) < 0.15 for e in kept)
+    assert len(kept) == 181 and all(abs(e) < 0.15 for e in kept)
     assert sum(abs(e) for e in kept) / len(kept) < 0.06
     attention = dict(cal.FITTED.attention)
     assert attention["H100-SXM-MPT"] < 0.5 <= attention["A100-80GB-MPT"] < attention["A100-80GB"]
@@ -440,20 +452,17 @@ def test_interleaving_lowers_the_memory_as_torchtitan_measured():
     assert pi["memory_gib"] < p1["memory_gib"]
 
 
-@pytest.mark.xfail(strict=True, reason="with the configurations of the paper's artifact "
-                   "(run_table_1.sh: micro-batches of 16 to 1, torch's overlapped DDP on the pp 1 "
-                   "rows, 1F1B at pp 64, interleaving by 5, 5, 3 and 1 layers per virtual stage) "
-                   "the pp <= 4 rows are priced -7% to -0.2% (mean -3.7%: the pp 1 rows of small "
-                   "models, hidden 2304 to 6144, run faster than measured) and the pp >= 16 rows "
-                   "-0.6% to +5.3% (mean +1.9%: the 1T model's 1F1B at pp 64, its bubble 63 of 512 "
-                   "micro-batches, +5.3%); every deep row is within 8%, but the means are 5.6 "
-                   "points apart (bound 5; 7.5 before a matmul's short reduction was priced, "
-                   "cost.efficiency's k0); assumed 2 chunks and micro-batch 1 everywhere, with a "
-                   "gradient all-reduce after backward, the two means were within 5 points")
 def test_the_error_does_not_grow_with_the_pipeline_depth():
     """Megatron-LM 2021 (Tables 1 and 2, tp 8 x pp up to 64, every row fit or held out): the
     rows with pp >= 16 are within 8% and, on average, within 5 points of the rows with pp <= 4
-    (the error used to climb with depth, to +24% at 512 GPUs of a deep pipeline)."""
+    (the error used to climb with depth, to +24% at 512 GPUs of a deep pipeline). Measured,
+    with the configurations of the paper's artifact (run_table_1.sh: micro-batches of 16 to 1,
+    torch's overlapped DDP on the pp 1 rows, 1F1B at pp 64, interleaving by 5, 5, 3 and 1
+    layers per virtual stage): pp >= 16 -3.2% to +3.2% (mean -0.6%), pp <= 4 -8.4% to -1.9%
+    (mean -5.5%: the pp 1 rows of small models, hidden 2304 to 6144, run faster than
+    measured), 4.9 points apart (5.6 before a ring's latency was NCCL's and the intensity
+    curve was fitted on llm-foundry's size sweep, 7.5 before a matmul's short reduction was
+    priced)."""
     found = {r["name"]: r for r in cal.errors(cal.FITTED)}
     megatron = [r for r in cal.rows() if r.source == "megatron2021" and r.view.strategy
                 == "replicate"]
@@ -495,23 +504,23 @@ def test_mlperf_llama2_lora_on_one_node():
     micro-batches) and 8 H200s (tp 2, 2), v4.1's 8 H100s, NVIDIA's (a fit row of Transformer
     Engine's H100 ceiling) and Dell's (tp 4, 4), Dell's 8 H200s (tp 2, 2; the fit row of its
     H200 ceiling), v5.0's and v5.1's 8 B200s (data parallel, one micro-batch a step; v5.1's,
-    the University of Florida's, 13% faster): within 8% (measured -1.5%, -2.6%, -0.2%, -0.7%,
-    +0.2%, -6.1% and +7.7%, each with its FP8 attention; priced as adapters on every linear and
+    the University of Florida's, 13% faster): within 10% (measured -0.7%, -2.4%, +0.6%, +0.0%,
+    +0.4%, -4.5% and +9.5%, each with its FP8 attention; priced as adapters on every linear and
     with H100's ceiling, the v4.0 H100 run was +6.9%). v5.0's 8 GB200s, two trays of an NVL72
-    rack priced as B200's die, -13% (``_GB200_LORA``), are not among them."""
+    rack priced as B200's die, -12% (``_CP8_LORA``), are not among them."""
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     rows = [r for r in cal.rows() if r.source.endswith("_llama2_lora") and r.view.cp == 1
             and r.view.world == 8 and r.gpu.name != "GB200"]
     assert len(rows) == 7 and all(r.view.adapted == ("q", "k", "v", "o") for r in rows)
-    assert all(abs(found[r.name]) < 0.08 for r in rows), [found[r.name] for r in rows]
+    assert all(abs(found[r.name]) < 0.1 for r in rows), [found[r.name] for r in rows]
 
 
 def test_llama2_lora_with_tp_and_one_micro_batch_a_step_but_no_cp():
     """Krai's MLPerf v5.1 runs of the LoRA benchmark on 2, 4 and 8 nodes of 8 H200s (tp 2, 4 and
     4 with userbuffers, no cp, one micro-batch of 8,192 tokens a model replica a step, FP8
-    attention, no CUDA graphs) are priced -5.6%, +3.8% and +3.1%, and the H200 runs with cp 2
-    and no tp (two micro-batches a step) within 3%, where every run with tp 4 x cp 2 (one
-    micro-batch of 4,096 tokens a rank a step) is under, by 9% to 14% with per-layer CUDA graphs
+    attention, no CUDA graphs) are priced -5.4%, +2.7% and +2.0%, and the H200 runs with cp 2
+    and no tp (two micro-batches a step) within 4%, where every run with tp 4 x cp 2 (one
+    micro-batch of 4,096 tokens a rank a step) is under, by 10% to 17% with per-layer CUDA graphs
     (``tp_cp_lora``): neither tp 4, nor cp 2, nor one micro-batch a step carries the cost those
     pay, but tp and cp together. Krai's tp 4 took 0.878 s a micro-batch on 32 H200s; with cp 2
     as well the same micro-batch took 0.54-0.57 s on 8 GPUs (NVIDIA's, Dell's, Azure's): cp 2
@@ -522,7 +531,7 @@ def test_llama2_lora_with_tp_and_one_micro_batch_a_step_but_no_cp():
     assert all(abs(found[r.name]) < 0.06 for r in krai), [found[r.name] for r in krai]
     cp_only = [r for r in cal.rows() if r.source.endswith("_llama2_lora") and r.view.cp == 2
                and r.view.tp == 1 and r.gpu.name == "H200-TE"]
-    assert len(cp_only) >= 4 and all(abs(found[r.name]) < 0.03 for r in cp_only)
+    assert len(cp_only) >= 4 and all(abs(found[r.name]) < 0.04 for r in cp_only)
     family = [found[r.name] for r in cal.rows() if tp_cp_lora(r) and r.name not in MISSES]
     assert all(e < -0.08 for e in family) and max(found[r.name] for r in krai) > 0
 
@@ -534,20 +543,20 @@ def test_transformer_engines_kernels_are_calibrated_on_their_own_rows():
     175B on 256 H100s, whose attention is 2% of its FLOPs, and Llama 2 70B LoRA on one node,
     sequences of 8,192), given the shared constants, which they do not move; their H200 rows
     under ``H200-TE`` (below). The held-out rows of that stack without cp (Megatron-Bridge's
-    three of 25.11 and its 26.06 Llama 3 70B SFT and LoRA under pp, -7.0% and -3.1%, MLPerf's
+    two of 25.11 and its 26.06 Llama 3 70B SFT and LoRA under pp, -7.6% and -2.6%, MLPerf's
     GPT-3 on 512 to 11,616 H100s, NVIDIA's and Oracle's, its one-node LoRA runs, NVIDIA's and
-    Dell's, Cisco's MLPerf v5.1 Llama 3.1 8B on 64 H100s without CUDA graphs, -13.8%, its run
-    on 128 with tp 2 a miss, ``MISSES``, Krai's v5.1 LoRA on 16 to 64 H200s) are then within 14%,
-    MAPE 4.5%; priced with H100's ceiling (Meta's Llama 3 runs) they are 7.8%, GPT-3's up to
-    +16%. With cp: MLPerf v5.0's
+    Dell's, Krai's v5.1 LoRA on 16 to 64 H200s; Cisco's MLPerf v5.1 Llama 3.1 8B on 64 and 128
+    H100s without CUDA graphs are misses, ``MISSES``) are then within 8%, MAPE 3.6%; priced
+    with H100's ceiling (Meta's Llama 3 runs) they are 5.5%, GPT-3's up to +12%. With cp:
+    MLPerf v5.0's
     Llama 3.1 405B (tp 8 x cp 2 on 512 to 8,192 H100s, tp 4 x cp 2 on 512 and 1,024 H200s, 24 to 288
-    micro-batches a step) within 6%, the one-node LoRA runs with cp 2 on H200 (2 micro-batches a
-    step) within 3%; the LoRA runs with tp 4 x cp 2 and one micro-batch a step under (-9% to
-    -14% with per-layer CUDA graphs; v4.0's, waiting on the host's launches, -25% and -29%;
-    Oracle's v5.0 run of Azure's without its per-layer CUDA graphs took 39% longer, -38%), where
-    v5.0's data-parallel LoRA on B200, one micro-batch a step, is -6.1% and Oracle's on 64 B200s
-    with cp 8 (CUDA graphs of the whole step) -8.3%: what the runs with per-layer graphs pay is
-    not found (``tp_cp_lora``)."""
+    micro-batches a step) within 5%, the one-node LoRA runs with cp 2 on H200 (2 micro-batches a
+    step) within 4%; the LoRA runs with tp 4 x cp 2 and one micro-batch a step under (-10% to
+    -17% with per-layer CUDA graphs; v4.0's, waiting on the host's launches, -26% and -29%;
+    Oracle's v5.0 run of Azure's without its per-layer CUDA graphs took 39% longer, -40%), where
+    v5.0's data-parallel LoRA on B200, one micro-batch a step, is -4.5% (Oracle's on 64 B200s
+    with cp 8, -16%, is a miss with v5.0's other cp 8 runs, ``_CP8_LORA``): what the runs with
+    per-layer graphs pay is not found (``tp_cp_lora``)."""
     te = [r for r in cal.rows() if r.gpu.name in ("H100-SXM-TE", "H200-TE")]
     assert {r.source for r in te} == {"megatron_bridge_h100", "megatron_bridge_h100_2606",
                                       "mlperf_v40_gpt3",
@@ -576,14 +585,15 @@ def test_transformer_engines_kernels_are_calibrated_on_their_own_rows():
     assert max(abs(e) for e in mine) < 0.15 and sum(map(abs, mine)) / len(mine) < 0.05
     as_h100 = errors(cal.FITTED, [attrs.evolve(r, gpu=attrs.evolve(r.gpu, name="H100-SXM"))
                                   for r in held])
-    assert sum(map(abs, as_h100)) / len(held) > sum(map(abs, mine)) / len(held) + 0.03
-    assert max(as_h100) > 0.15
+    assert sum(map(abs, as_h100)) / len(held) > sum(map(abs, mine)) / len(held) + 0.015
+    assert max(as_h100) > 0.12
 
 
 def tp_cp_lora(row) -> bool:
     """MLPerf's Llama 2 70B LoRA runs with tp 4 x cp 2, one micro-batch a step: all priced
-    under, the ones with per-layer CUDA graphs by 9% to 14% (NVIDIA's v4.1 recipe on 64 and
-    1,024 H100s, Dell's on 64, Azure's on 512 H200s; without graphs, ``MISSES``). Dell's runs of
+    under, the ones with per-layer CUDA graphs by 10% to 17% (NVIDIA's v4.1 recipe on 64 and
+    1,024 H100s, Dell's on 64, Azure's on 512 H200s, the last a miss; without graphs,
+    ``MISSES``). Dell's runs of
     the layout with 2 and 4 micro-batches a step took 0.546 and 0.538 s a micro-batch, against
     0.553 for one: what they pay beyond the price, they pay per micro-batch, not per step; and
     they pay it for tp and cp together (``test_llama2_lora_with_tp_and_one_micro_batch_a_step_but_
@@ -594,14 +604,13 @@ def tp_cp_lora(row) -> bool:
 def test_h200_under_transformer_engine_has_a_ceiling_of_its_own():
     """H200 is H100's die with HBM3e at the same 700 W. Under Transformer Engine its ceiling is
     fitted on one run without cp (Dell's Llama 2 70B LoRA on 8 H200s, tp 2: MLPerf Training
-    v4.1), its attention share H100's (``[calibration.H200-TE] attention_as``): 0.81 against
-    H100's 0.84. The held-out H200 runs of that stack (NVIDIA's v4.0 tp 2 and v4.1 cp 2 LoRA,
+    v4.1), its attention share H100's (``[calibration.H200-TE] attention_as``): 0.76 against
+    H100's 0.77. The held-out H200 runs of that stack (NVIDIA's v4.0 tp 2 and v4.1 cp 2 LoRA,
     Lenovo's three of the v4.1 recipe, Nebius's Llama 3.1 405B pre-training on 512 and 1,024 of
     MLPerf v5.0, HPE's Llama 3.1 8B with cp 2 on 64 and Krai's LoRA with tp 2 and 4 on 16 to 64
-    of v5.1) are then MAPE 2.6% (-5.6% to +6.4%); under H100's ceiling 3.4%, every one further
-    under, as are Azure's LoRA with
-    tp 4 x cp 2 on 512 (-14.4%: ``tp_cp_lora``) and the stack's miss, Oracle's run of it without
-    CUDA graphs (-38.3%, ``MISSES``)."""
+    of v5.1) are then MAPE 1.9% (-5.4% to +2.7%); under H100's ceiling 2.5%, every one further
+    under, as are the stack's misses, Azure's LoRA with tp 4 x cp 2 on 512 (-16.6%:
+    ``tp_cp_lora``) and Oracle's run of it without CUDA graphs (-39.9%)."""
     rows = [r for r in cal.rows() if r.gpu.name == "H200-TE"]
     fit = [r for r in rows if r.split == "fit"]
     held = [r for r in rows if r.split == "test"]
@@ -621,7 +630,7 @@ def test_h200_under_transformer_engine_has_a_ceiling_of_its_own():
     kept = [i for i, r in enumerate(held) if r.name not in MISSES and not tp_cp_lora(r)]
     assert len(kept) >= 7 and all(abs(mine[i]) < 0.08 for i in kept)
     mape, as_h100_mape = (sum(abs(e[i]) for i in kept) / len(kept) for e in (mine, as_h100))
-    assert mape < 0.03 < as_h100_mape
+    assert mape < 0.02 < as_h100_mape
 
 
 def test_a_name_is_calibrated_one_way(monkeypatch):
@@ -648,9 +657,10 @@ def test_megatron_reduces_each_chunks_gradients_behind_the_backward_still_to_run
     last micro-batch's backward ends (``grad_sync_func`` per chunk), behind the backward of the
     chunks still to run (``PipelineCost.reduce_per_chunk``, declared by the Megatron sources):
     MLPerf's GPT-3 on 10,752 H100s (8 chunks, 6 micro-batches, 448-way data parallelism) is
-    priced +13% with its reductions behind the last micro-batch's backward alone, +3.6% so
-    (+25% and +16% before Transformer Engine's H100s had a ceiling of their own);
-    Megatron-Bridge's 405B runs -7.2% -> -9.7% (H100) and +8.6% -> +5.9% (B200)."""
+    priced +4.5% with its reductions behind the last micro-batch's backward alone, -3.4% so
+    (+13% and +3.6% before a ring's latency was NCCL's, +25% and +16% before Transformer
+    Engine's H100s had a ceiling of their own); Megatron-Bridge's 405B runs -6.2% -> -8.6%
+    (H100) and +8.6% -> +5.9% (B200)."""
     from shardgraph.planner.cost import _behind_chunks, _hidden
 
     row = next(r for r in cal.rows() if r.name.startswith("GPT-3 175B TP 4 PP 6 VP 8 10752"))
@@ -660,7 +670,7 @@ def test_megatron_reduces_each_chunks_gradients_behind_the_backward_still_to_run
     measured = row.published_step_s()
     per_chunk = cal.predict(row, cal.FITTED)["step_s"] / measured - 1
     last_only = cal.predict(alone, cal.FITTED)["step_s"] / measured - 1
-    assert last_only > 0.1 and per_chunk < 0.05
+    assert last_only > 0.04 and abs(per_chunk) < 0.04
     # a stack that does not overlap its reductions hides none of them, chunk by chunk or not
     serial = attrs.evolve(alone, view=attrs.evolve(alone.view, overlap_grad_reduce=False))
     chunked = attrs.evolve(serial, view=attrs.evolve(serial.view, pipeline=row.view.pipeline))
@@ -760,7 +770,7 @@ def test_what_ran_on_h100_in_2025_fits():
     "vanilla TP" in r.name or "LoRA" in r.name) and r.name not in MISSES])
 def test_wide_tp_shards_and_frozen_weights_are_priced(name):
     """torchtitan's vanilla-tp runs (2025: 8B and 70B at tp 8) and the LoRA runs of NeMo
-    AutoModel and MLPerf (held out; MLPerf's with cp 2 aside, ``MISSES``) within 15%: a tp 8
+    AutoModel and MLPerf (held out; MLPerf's misses aside, ``MISSES``) within 15%: a tp 8
     shard of a wide model keeps long matmuls (priced by the per-GPU width hidden / tp they were
     22-24% over), and a frozen base runs no weight-gradient matmuls (priced as run the
     AutoModel LoRA rows were 24-37% over)."""
@@ -845,8 +855,9 @@ def test_float8_attention_is_priced_at_its_published_gain():
     (FP8_DPA = 1: MLPerf's one-node LoRA runs, v4.0's cp runs, B200's), not on v4.1's tp 4 x cp 2
     and H200 cp 2 runs, which turned it off. Priced as bf16, the one-node runs' FP8 attention
     had been fitted into Transformer Engine's attention share (0.5, now 0.4): its bf16 runs at
-    sequences of 8,192 came out fast, v4.1's tp 4 x cp 2 LoRA runs -13% to -17% (now -9% to
-    -14%), its H200 cp 2 runs -2% to -6% (now -3% to +2%); held-out dense MAPE 6.1% -> 5.9%."""
+    sequences of 8,192 came out fast, v4.1's tp 4 x cp 2 LoRA runs -13% to -17% (now -10% to
+    -17%, Azure's a miss), its H200 cp 2 runs -2% to -6% (now -4% to +1%); held-out dense MAPE
+    6.1% -> 5.9% (then 104 rows)."""
     assert cal.fit_float8_attention(cal.FITTED) == cal.FITTED.float8_attention == 1.11
     gains = [g for g in cal._data()["gain"] if g["field"] == "float8_attention"]
     assert len(gains) == 1 and gains[0]["speedup"] == pytest.approx(1.15 / 1.11, abs=5e-5)
@@ -871,7 +882,7 @@ def test_float8_attention_is_priced_at_its_published_gain():
     # the tp 4 x cp 2 LoRA runs with per-layer CUDA graphs are still under, within 15%
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     family = [found[r.name] for r in cal.rows() if tp_cp_lora(r) and r.name not in MISSES]
-    assert len(family) == 4 and all(-0.15 < e < -0.05 for e in family), family
+    assert len(family) == 3 and all(-0.15 < e < -0.05 for e in family), family
 
 
 def test_a_gain_on_a_run_the_table_lacks_is_named():
@@ -966,21 +977,21 @@ def test_a_compiled_loss_keeps_the_logits_in_the_compute_dtype():
 
 def test_the_moe_caveat_says_what_the_published_moe_rows_say():
     """``estimate``'s MoE line (render.caveat_lines) states the held-out MoE rows' measured over
-    priced step: 2 to 4 times where every ep group sits in a node, 0.9 times where ep crosses
+    priced step: 2 to 4.2 times where every ep group sits in a node, 0.9 times where ep crosses
     nodes. Its figures are written in the text; this keeps them the rows'."""
     from shardgraph.planner.render import caveat_lines
 
     est = {"assumptions": {"efficiency_curve": {"calibrated_on_this_gpu": True},
                            "model": {"step_time_validated": False}, "gpu": {}}}
     line = next(x for x in caveat_lines(est) if x.startswith("mixture of experts"))
-    assert "2 to 4 times" in line and "0.9 times" in line
+    assert "2 to 4.2 times" in line and "0.9 times" in line
     inside, across = [], []
     for r in cal.rows():
         if r.shape.is_moe and r.split == "test":
             ratio = r.published_step_s() / cal.predict(r, cal.FITTED)["step_s"]
             crosses = r.view.group_crosses_nodes("ep")
             (across if crosses else inside).append(round(ratio, 1))
-    assert inside and across and all(2.0 <= x <= 4.0 for x in inside), inside
+    assert inside and across and all(2.0 <= x <= 4.2 for x in inside), inside
     assert all(x == 0.9 for x in across), across
 
 

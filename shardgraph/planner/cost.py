@@ -237,13 +237,18 @@ def efficiency(shape: ModelShape, v: PlanView, eff: Efficiency, gpu: str, tokens
 
 
 def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
-                eff: Efficiency, per_node: int = 1) -> float:
+                eff: Efficiency, per_node: int = 1, in_node: int = 1) -> float:
     """``per_node``: members of the group in one node. NCCL's rings cross each node once per
     channel, one channel per NIC: a group with k members in a node moves its inter-node
     traffic over k NICs at once (and every byte over NVLink as well), as nccl-tests' bus
     bandwidth across nodes is the node's NICs together, not one GPU's. An all-to-all is no
     ring: each rank sends its share for the k - 1 peers in its node over NVLink and the rest
-    over its own NIC, at once."""
+    over its own NIC, at once.
+
+    ``in_node``: the group's members in one node, for a ring's latency (all-gather,
+    reduce-scatter): of its n - 1 hops, those between nodes (one per node it spans, less one)
+    wait on the network's latency and the rest on NVLink's, as NCCL's rings order their ranks
+    node by node and its own model prices them (src/graph/tuning.cc)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     if kind == "all_to_all" and crosses:
@@ -258,8 +263,10 @@ def _collective(kind: str, n: int, nbytes: float, crosses: bool, gpu: GPU,
     if kind == "p2p":
         traffic = nbytes
     # all-gather and reduce-scatter run as rings: n - 1 steps, each waiting on a hop
-    steps = n - 1 if kind in ("all_gather", "reduce_scatter") else math.ceil(math.log2(n))
-    return lat * steps + traffic / bw
+    if kind in ("all_gather", "reduce_scatter"):
+        hops = math.ceil(n / max(1, in_node)) - 1 if crosses else 0
+        return gpu.inter_latency * hops + gpu.intra_latency * (n - 1 - hops) + traffic / bw
+    return lat * math.ceil(math.log2(n)) + traffic / bw
 
 
 AXIS_SIZES = ("tp", "cp", "ep", "pp", "dp", "dp_shard", "dp_replicate")
@@ -498,15 +505,16 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             gathers = n_micro * (2 if v.reshard_after_forward else 1)
         k = v.members_per_node("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
         units = max(layers, 1) + 1  # a collective per block and one for the rest
+        inn = v.members_in_node("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
         ag = gathers * units * _collective("all_gather", n, unsharded * cb / units, crosses,
-                                           gpu, eff, k)
+                                           gpu, eff, k, inn)
         # gradients reduced once per step (deferred; always under torch's pipeline stages), or
         # after every micro-batch's backward
         reductions = 1 if v.defer_grad_sync or v.pp > 1 else n_micro
         # only trainable parameters' gradients are reduced (LoRA: the adapters')
         grads = unsharded * rb * trainable_share(shape, v)
         rs = reductions * units * _collective("reduce_scatter", n, grads / units,
-                                              crosses, gpu, eff, k)
+                                              crosses, gpu, eff, k, inn)
         ep_shard = v.dp * v.cp // v.ep
         ex = held_numel(shape, held, v, True, unsharded=True) if v.ep > 1 else 0
         if ex and ep_shard > 1:

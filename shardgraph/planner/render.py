@@ -47,7 +47,7 @@ def caveat_lines(est: dict[str, Any]) -> list[str]:
                      "(README, How accurate)")
     if not eff["model"]["step_time_validated"]:
         lines.append("mixture of experts: the step time is not validated; the published MoE "
-                     "runs took 2 to 4 times the time priced where each ep group sat in a node "
+                     "runs took 2 to 4.2 times the time priced where each ep group sat in a node "
                      "(their dispatch and experts cost more than their FLOPs), 0.9 times where "
                      "ep crossed nodes (README, How accurate)")
     return lines
