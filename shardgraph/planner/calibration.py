@@ -505,20 +505,20 @@ def fit() -> Efficiency:
     whose attention share is another's, ``attention_as``, its ceiling alone: H200 under
     Transformer Engine, one fit row).
 
-    Why the first stage: the joint rows (26, for 15 constants) do not pin x0, k0, elementwise
-    and eager between them, and the search from the middle fell into a different basin at
-    each change of the model or the rows (x0 0 to 400, k0 0 to 128, every ceiling), held-out
-    MAPE moving by 1 to 3 points with it: Transformer Engine's two fit rows in the joint fit,
-    B200's 8B row out of it, Megatron-Bridge's 405B B200 row in it, NCCL's ring latency
-    (``cost._collective``; from the middle: 6.1% over 325 dense rows but torchtitan's 29 from
-    4.9% to 7.8%; from FITTED's start: torchtitan's 11.4%; at FITTED's constants, unfitted:
-    6.6%). With the curve fitted on the size sweep, the search lands at the constants that
-    were FITTED's before NCCL's latency but for x0 (200, not 400) and the ceilings (measured
-    on 310 held-out rows: 5.8% against 6.9%). Rule-based splits, every third row of each
-    source (MoE rows, the known misses and rows of a GPU priced as another's die held out) in
-    the fit, 84 to 93 fit rows: 5.8% to 6.5% on the 258 to 267 left, but the 90 to 98 held-out
-    rows of sources other than llm-foundry's at 7.1% to 8.0% against 7.2% for FITTED's: more
-    rows of each source in the fit move the error between sources rather than lower it."""
+    Why the first stage: the joint rows (18, for 15 constants: 7 fields and 4 GPUs' ceilings and
+    attention shares) do not pin x0, k0, elementwise and eager between them, and the search from
+    the middle fell into a different basin at each change of the model or the rows (x0 0 to 400, k0
+    0 to 128, every ceiling), held-out MAPE moving by 1 to 3 points with it: Transformer Engine's
+    two fit rows in the joint fit, B200's 8B row out of it, Megatron-Bridge's 405B B200 row in it,
+    NCCL's ring latency (``cost._collective``; from the middle: 6.1% over 325 dense rows but
+    torchtitan's 29 from 4.9% to 7.8%; from FITTED's start: torchtitan's 11.4%; at FITTED's
+    constants, unfitted: 6.6%). With the curve fitted on the size sweep, the search lands at the
+    constants that were FITTED's before NCCL's latency but for x0 (200, not 400), the ceilings and
+    llm-foundry's H100 attention share (measured on 310 held-out rows: 5.8% against 6.9%). Rule-based splits, every third row of each
+    source (MoE rows, the known misses and rows of a GPU priced as another's die held out) in the
+    fit, 84 to 93 fit rows: 5.8% to 6.5% on the 258 to 267 left, but the 90 to 98 held-out rows of
+    sources other than llm-foundry's at 7.1% to 8.0% against 7.2% for FITTED's: more rows of each
+    source in the fit move the error between sources rather than lower it."""
     fit_rows, stacks = joint_fit_rows(), stack_fit_rows()
     both = {r.gpu.name for r in fit_rows} & {r.gpu.name for r in stacks}
     if both:

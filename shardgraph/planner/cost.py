@@ -19,8 +19,8 @@ the pipeline bubble.
   are memory traffic (``adapter_bytes``), not FLOPs. The LM head is never
   recomputed: a forward and a backward whatever the blocks' checkpointing.
 - Collectives, alpha-beta: ``latency * steps + traffic / (link bandwidth * comm_eff)``
-  (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block;
-  the rest ``log2(n)``),
+  (all-gather and reduce-scatter are NCCL rings of ``n - 1`` steps, FSDP's one per block,
+  the network's latency only at the steps between nodes; the rest ``log2(n)``),
   ring traffic ``(n - 1) / n * S`` for all-gather / reduce-scatter / all-to-all and twice
   that for all-reduce; the link is NVLink when the group lies inside one node, the GPU's
   network bandwidth when it spans nodes (the mesh is row-major, tp innermost), times the
