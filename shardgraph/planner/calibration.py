@@ -11,7 +11,8 @@ Kernels shardgraph does not run (Transformer Engine's, under Megatron-Core and N
 triton flash attention, under llm-foundry) have a ceiling and attention share of their own,
 fitted on their own fit rows given the shared constants (``stack_fit_rows``): their rows then
 check the rest of the model (schedules, collectives, LoRA, FSDP's scaling) rather than a kernel
-library's speed.
+library's speed. Those rows also fit the matmuls' intensity curve, first: llm-foundry's size
+sweep is the one source that runs one stack at many widths (``fit``).
 
 A row's layout is priced as written in its source, also where shardgraph would lay it out
 otherwise (Megatron's data parallelism is a gradient all-reduce next to tp and pp; shardgraph's
