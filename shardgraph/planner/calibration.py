@@ -546,6 +546,7 @@ def fit() -> Efficiency:
     # the matmuls' intensity curve (x0, k0) on the stacks' own fit rows, each stack's ceiling
     # and attention share at their best at every point
     alone = [r for r in stacks if not names.get(r.gpu.name)]
+    fixed = {"x0", "k0"} if alone else set()  # the curve, when the stacks fit it
     if alone:
         _, (x0, k0) = min((_efficiency({**point, "x0": x, "k0": k}, alone)[0], (x, k))
                           for x in GRID["x0"] for k in GRID["k0"])
@@ -554,7 +555,7 @@ def fit() -> Efficiency:
     moved = True
     while moved:
         moved = False
-        for field in (f for f in FIELDS if not (alone and f in ("x0", "k0"))):
+        for field in (f for f in FIELDS if f not in fixed):
             for value in GRID[field]:
                 loss, found = _efficiency({**point, field: value}, fit_rows)
                 if loss < best - 1e-12:

@@ -489,7 +489,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         else (1, 0.0, eff.overlap)
     if v.strategy in ("fully_shard", "sharded") and v.dp * v.cp > 1:
         n = v.dp_shard * v.cp if v.strategy == "fully_shard" else v.dp * v.cp
-        crosses = v.group_crosses_nodes("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
+        axis = "dp_shard_cp" if v.strategy == "fully_shard" else "dp"  # its rings' group
+        crosses = v.group_crosses_nodes(axis)
         unsharded = held_numel(shape, held, v, False if v.ep > 1 else None, unsharded=True)
         # all-gathers per step: one per micro-batch's forward and (resharded after it) one per
         # its backward; under torch's pipeline stages none after the first forward unless
@@ -503,9 +504,9 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
             gathers = 1 + (n_micro if v.reshard_after_forward else 0)
         else:
             gathers = n_micro * (2 if v.reshard_after_forward else 1)
-        k = v.members_per_node("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
+        # the NICs its rings use in a node, and its members there (the ring's latency)
+        k, inn = v.members_per_node(axis), v.members_in_node(axis)
         units = max(layers, 1) + 1  # a collective per block and one for the rest
-        inn = v.members_in_node("dp_shard_cp" if v.strategy == "fully_shard" else "dp")
         ag = gathers * units * _collective("all_gather", n, unsharded * cb / units, crosses,
                                            gpu, eff, k, inn)
         # gradients reduced once per step (deferred; always under torch's pipeline stages), or
