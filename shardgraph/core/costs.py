@@ -50,6 +50,10 @@ class Comm:
     backward: int = 0
     per: str = attrs.field(default="layer", validator=attrs.validators.in_(PER))
     beside_matmul: bool = False
+    #: of the ``forward`` issues, those after the block's last matmul (tp's reduction of the
+    #: MLP's output): a recomputation that stops early (``Cost.recompute_stops_early``) does
+    #: not issue them again
+    ends_block: int = 0
 
 
 @attrs.frozen
@@ -119,7 +123,10 @@ class Cost:
     gathered copy lives inside attention alone (torch's context_parallel, whose default
     rotation all-gathers them, in forward and again in backward).
     ``recompute``: the share of each block's forward run again in backward (full activation
-    checkpointing: 1.0, only the block's input is kept).
+    checkpointing: 1.0, only the block's input is kept). ``recompute_stops_early``: the
+    recomputation stops once it has produced again the last tensor backward reads (torch's
+    non-reentrant checkpoint since 2.1, ``set_checkpoint_early_stop``): what follows it in the
+    block, its last matmul where no later op keeps that matmul's output, is not run again.
     ``saves``: what a recomputed block keeps for backward: ``"input"`` (its input alone) or
     ``"alternate_matmuls"`` (its input and the outputs of its first, third, ... matmul, of
     attention and of the collectives; the rest is recomputed).
@@ -162,6 +169,7 @@ class Cost:
     keeps_gathered_kv: bool = False
     loss_parallel: bool = False
     recompute: float = 0.0
+    recompute_stops_early: bool = False
     saves: str = attrs.field(default="input", validator=attrs.validators.in_(
         ("input", "alternate_matmuls")))
     attention_imbalance: float = 1.0

@@ -4,7 +4,8 @@ the pipeline bubble.
 - FLOPs per token (forward): 2 x every matmul parameter a token meets (GQA's smaller k/v,
   SwiGLU's three matrices, top-k experts of an MoE layer, the LM head) plus causal attention's
   2 x seq x (heads x head_dim) per layer (QK^T and AV, half of the square). Backward is twice
-  forward; full activation checkpointing runs forward once more.
+  forward; full activation checkpointing runs forward once more, but for the block's last
+  matmul where the recomputation stops early (``skips_last_linear``).
 - Compute time: those FLOPs over the GPU's peak times an achieved efficiency that grows with
   each linear's arithmetic intensity on one rank, ``x = 1 / (1/m + 1/k + 1/n)`` for its
   (tokens, input, output) after tp and cp split them: ``eff = e_max * x / (x + x0)``, fitted.
@@ -367,6 +368,27 @@ def rank_flops_per_token(shape: ModelShape, v: PlanView, seq: int) -> list[float
     return out
 
 
+def skips_last_linear(v: PlanView) -> bool:
+    """Whether a recomputation that stops early (``recompute_stops_early``: torch's checkpoint)
+    leaves a block's last matmul unrun: the MLP's down projection, whose output no later op
+    keeps for backward (measured on a Llama block, torch 2.13: one forward's FLOPs less that
+    matmul's). Not where that linear keeps what backward reads only after it has computed:
+    torchao's float8 linear, an autograd Function, recomputed eagerly, and a LoRA adapter
+    beside it (the frozen matmul runs before the adapter's, which is kept last); a compiler
+    that traces the checkpointed block (``traced_recompute``) recomputes only what backward
+    reads, those included. An MoE block's last matmuls are its experts', whose outputs the
+    router's weights multiply (kept): run again."""
+    if v.traced_recompute:
+        return True
+    return not v.float8_linears and not (v.adapter_rank and "down" in v.adapted)
+
+
+def last_matmul_flops(shape: ModelShape, kind: str) -> float:
+    """Forward FLOPs per token of a dense block's last matmul (the MLP's down projection),
+    whole (before tp splits it); 0 for an MoE block (``skips_last_linear``)."""
+    return 0.0 if kind == "moe" else 2.0 * shape.intermediate * shape.hidden
+
+
 def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
               eff: Efficiency) -> dict[str, Any]:
     mbs, n_micro = microbatches(v, setup)
@@ -389,6 +411,12 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     # causal attention's share, on the rank with the most of it (cp without load balancing)
     attn_flops = 2 * seq * shape.heads * shape.head_dim * tokens / (v.tp * v.cp)
     rank_flops = flops[worst] * tokens * n_micro * passes / (v.tp * v.cp)
+    # a recomputation that stops early runs neither the block's last matmul (where no later op
+    # keeps its output) nor the collectives after it again
+    stops = v.recompute_stops_early and v.ac_saves == "input"
+    if stops and skips_last_linear(v):
+        rank_flops -= recomputes * n_micro * tokens / (v.tp * v.cp) * sum(
+            n * last_matmul_flops(shape, k) for k, n in blocks)
     if v.adapter_rank:
         # frozen weights (LoRA): their linears' weight-gradient matmuls (one forward's worth
         # of the linears) are never run (the adapters beside them: memory traffic, below)
@@ -460,7 +488,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         n = getattr(v, c.axis, 1) if c.axis in AXIS_SIZES else 1
         if n <= 1:
             continue
-        count = n_micro * (c.forward * (1 + recomputes) + c.backward)
+        count = n_micro * (c.forward + (c.forward - (c.ends_block if stops else 0))
+                           * recomputes + c.backward)
         if c.per == "layer":
             count *= layers
         elif c.per == "moe_layer":

@@ -53,6 +53,12 @@ class PlanView:
     pipeline: PipelineCost | None = None
     comms: tuple[Comm, ...] = ()
     recompute: float = 0.0
+    #: the recomputation stops after the last tensor backward reads (``Cost``)
+    recompute_stops_early: bool = False
+    #: a compiler traces each checkpointed block (torch.compile around the checkpoint:
+    #: torchtitan's order; shardgraph compiles inside it, and its recomputation runs eagerly):
+    #: its partitioner recomputes only what backward reads
+    traced_recompute: bool = False
     #: what a recomputed block keeps (``Cost.saves``)
     ac_saves: str = "input"
     attention_imbalance: float = 1.0
@@ -212,6 +218,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         microbatch_size=pipe.microbatch_size if pipe else None,
         layers_per_stage=pipe.layers_per_stage if pipe else None,
         unknown=unknown, pipeline=pipe, comms=cost.comms, recompute=cost.recompute,
+        recompute_stops_early=cost.recompute_stops_early,
         ac_saves=cost.saves,
         attention_imbalance=cost.attention_imbalance, compute_speedup=cost.compute_speedup,
         float8_linears=cost.float8_linears,

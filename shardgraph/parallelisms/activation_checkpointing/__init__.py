@@ -164,11 +164,12 @@ def _conflicts_with(options: ActivationCheckpointingOptions) -> dict[str, Option
 
 
 def _cost(options, layout) -> Cost:
-    # full: every checkpointed block keeps its input and runs its forward again in backward;
-    # selective keeps the policy's outputs (``_policy``) and runs about half its matmuls again
+    # full: every checkpointed block keeps its input and runs its forward again in backward,
+    # up to the last tensor its backward reads (torch's checkpoint stops there); selective
+    # keeps the policy's outputs (``_policy``) and runs about half its matmuls again
     if options.mode == "selective":
         return Cost(recompute=0.5, saves="alternate_matmuls")
-    return Cost(recompute=1.0)
+    return Cost(recompute=1.0, recompute_stops_early=True)
 
 
 def selective_checkpoint(module: nn.Module) -> None:

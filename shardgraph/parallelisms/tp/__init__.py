@@ -304,10 +304,11 @@ def _retie(model: nn.Module, groups) -> None:
 
 
 def _cost(options: TPOptions, layout) -> Cost:
-    # two reductions of a block's activations forward (attention, MLP) and two backward, each
-    # beside the linear it feeds or follows; the whole logits gathered on the last stage unless
-    # the loss runs on vocabulary shards
-    comms = [Comm("tp", "all_reduce", "activation", forward=2, backward=2, beside_matmul=True)]
+    # two reductions of a block's activations forward (attention, MLP: the second after the
+    # block's last matmul) and two backward, each beside the linear it feeds or follows; the
+    # whole logits gathered on the last stage unless the loss runs on vocabulary shards
+    comms = [Comm("tp", "all_reduce", "activation", forward=2, backward=2, beside_matmul=True,
+                  ends_block=1)]
     if not options.loss_parallel:
         comms.append(Comm("tp", "all_gather", "logits", forward=1, per="head"))
     return Cost(loss_parallel=options.loss_parallel, comms=tuple(comms))
