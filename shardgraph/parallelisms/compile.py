@@ -118,9 +118,13 @@ def _apply(model: nn.Module, options: CompileOptions, ctx: MeshContext, inputs: 
               "backend": options.backend}
     if options.mode is not None:
         kwargs["mode"] = options.mode
+    # A side effect inside a checkpointed forward (transformers >= 5.25 wraps attention in the
+    # kernels hub's context variable, set and reset around each call) is not replayed when the
+    # compiled block recomputes: without this, dynamo refuses to trace a selective checkpoint
+    traced = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
     for _, block in find_blocks(model, options.blocks):
         # An instance attribute: the class's forward, and every other block, stay as they are.
-        block.forward = torch.compile(block.forward, **kwargs)
+        block.forward = traced(torch.compile(block.forward, **kwargs))
         block.register_forward_pre_hook(_settle_inputs, with_kwargs=True)
     if not options.loss:
         return model
