@@ -956,6 +956,40 @@ def test_a_checkpointed_block_is_recomputed_up_to_what_backward_reads(linear):
     assert checkpointed - plain == forward - cfg.num_hidden_layers * ids.numel() * last
 
 
+def test_a_declared_ring_is_priced_with_its_groups_members_in_a_node(monkeypatch):
+    """A collective a step declares (``core.costs.Comm``) is priced as FSDP's rings are: over
+    the NICs of its group's members in a node and, for an all-gather or reduce-scatter, with
+    the network's latency at the hops that leave a node alone. cp 16 over two nodes of 8 (its
+    K/V all-gathered, cp's ``allgather``): 8 members a node, one hop between them; priced
+    before with one NIC and 15 network hops (no published row has a declared ring with more
+    than one member a node: none moved)."""
+    from shardgraph.core.layout import MeshLayout
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner import cost
+    from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.gpus import PRESETS
+    from shardgraph.planner.view import Setup, declared, view_of
+    from shardgraph.plugins.builtin import builtin_registry
+
+    layout = MeshLayout(world_size=16, gpus_per_node=8, cp=16, dp_shard=1)
+    plugins = {"fsdp2": {}, "cp": {"size": 16, "attention": "allgather"}}
+    view = view_of(layout, declared(builtin_registry(), plugins, layout)[0])
+    shape = cal._shape({"kind": "llama", "hidden": 4096, "layers": 32, "heads": 32,
+                        "kv_heads": 8, "intermediate": 14336, "vocab": 128256})
+    calls = []
+    priced = cost._collective
+
+    def recording(kind, n, nbytes, crosses, gpu, eff, per_node=1, in_node=1):
+        calls.append((kind, n, crosses, per_node, in_node))
+        return priced(kind, n, nbytes, crosses, gpu, eff, per_node, in_node)
+
+    monkeypatch.setattr(cost, "_collective", recording)
+    cost.step_time(shape, view, Setup(seq_len=131072, global_batch=1, micro_batch=1,
+                                      optimizer_states=2), PRESETS["H100-SXM"], FITTED)
+    declared_cp = {c for c in calls if c[1] == 16 and c[0] in ("all_gather", "reduce_scatter")}
+    assert declared_cp == {("all_gather", 16, True, 8, 8), ("reduce_scatter", 16, True, 8, 8)}
+
+
 def test_a_short_reduction_costs_a_matmul_its_tiles_fixed_share():
     """Each output tile of a matmul fills its pipeline and writes its result once, whatever its
     reduction length k: a matmul runs at k / (k + k0) of the intensity curve (k0 fitted, 128;

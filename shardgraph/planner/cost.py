@@ -500,7 +500,8 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                           comm_bytes(shape, v, c.size, tokens) * (n - 1 if c.kind == "ring"
                                                                   else 1),
                           v.group_crosses_nodes(c.axis), gpu, eff,
-                          v.members_in_node(c.axis) if c.kind == "all_to_all" else 1)
+                          v.members_in_node(c.axis) if c.kind == "all_to_all"
+                          else v.members_per_node(c.axis), v.members_in_node(c.axis))
         if c.kind == "ring":
             # the exchanges hide behind attention on the chunks already received
             one = _hidden(one, attention_s * (n - 1) / n, eff.overlap)
