@@ -525,9 +525,9 @@ def fit() -> Efficiency:
 
     Still not pinned: a GPU's ceiling and attention share where its joint rows run one sequence
     length. B200's one row took (0.54, 1.0), (0.60, 0.9) and (0.84, 0.3) as the other constants
-    moved; holding a share at 1.0 where the rows run one length alone moved eager (6 to 4) and
-    the A100 ceiling, and put the pipeline-depth test past its bound (5.4 points): left as
-    fitted."""
+    moved; holding B200's share at 1.0 moved eager (6 to 4) and the A100 ceiling (0.76 to 0.74)
+    and put the pipeline-depth test past its bound (5.4 points; 5.7 with torchtitan's 32k run
+    in the fit to pin its 500 W share as well): left as fitted."""
     fit_rows, stacks = joint_fit_rows(), stack_fit_rows()
     both = {r.gpu.name for r in fit_rows} & {r.gpu.name for r in stacks}
     if both:
