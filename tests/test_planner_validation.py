@@ -644,6 +644,29 @@ def test_a_name_is_calibrated_one_way(monkeypatch):
         cal.fit()
 
 
+def test_a_misspelt_key_of_the_data_is_refused_not_read_as_absent():
+    """A source's or a row's key ``_row`` does not read (``recompute_stop_early``) would price
+    its rows as torch's without a word: every unknown key is named, with its table and the
+    known key nearest to it, all at once; the file as shipped has none."""
+    import copy
+
+    cal.check_keys(cal._data())
+    data = copy.deepcopy(cal._data())
+    data["sources"]["megatron2021"]["recompute_stop_early"] = False
+    data["run"][0]["fused_atention"] = True
+    data["run"][1]["model"]["hiden"] = 2048
+    data["sweep"][0]["layouts"][1]["tpp"] = 2
+    with pytest.raises(ValueError) as err:
+        cal.check_keys(data)
+    text = str(err.value)
+    assert "[sources] 'megatron2021': 'recompute_stop_early' (did you mean " \
+        "'recompute_stops_early'?)" in text
+    assert f"[run] {data['run'][0]['name']!r}: 'fused_atention' (did you mean " \
+        "'fused_attention'?)" in text
+    assert f"[model] {data['run'][1]['name']!r}: 'hiden' (did you mean 'hidden'?)" in text
+    assert f"[run] '{data['sweep'][0]['name']}, layouts[1]': 'tpp'" in text
+
+
 def test_an_attention_share_is_borrowed_from_a_fitted_name(monkeypatch):
     """``[calibration.NAME] attention_as`` must name a calibration fitted on rows of its own:
     the fit says which and what is fitted before it searches."""

@@ -122,6 +122,59 @@ def _shape(m: dict[str, Any]) -> ModelShape:
                       param_bytes=m.get("param_bytes", 4))  # 2: weights kept in bf16
 
 
+#: a source's software, where it differs from torch's: ``PlanView`` fields a row may set too
+STACK_KEYS = ("overlap_grad_reduce", "fused_attention", "fused_elementwise", "p2p_split_over_tp",
+              "pooled_nics", "sac_saves_gathers", "matmul_overlap", "overlap_p2p", "fused_loss",
+              "repeat_kv", "fused_float8_casts", "norm_upcast", "float8_attention",
+              "recompute_stops_early", "traced_recompute")
+#: a source's pipeline, where it differs from torch's: ``PipelineCost`` fields, by key
+PIPELINE_KEYS = {"pp_keeps_outputs": "keeps_outputs", "pp_recv_buffers": "recv_buffers",
+                 "pp_reduce_after_backward": "reduce_after_backward",
+                 "pp_reduce_per_chunk": "reduce_per_chunk"}
+#: every key ``published.toml``'s tables may hold (what ``_row``, ``sweeps`` and ``fit`` read,
+#: and the citations): a misspelt one would be read as absent and price a row as torch's
+KEYS = {
+    "sources": {"title", "url", "gpu", "notes", "assumed", "calibrate_as", "shared_fit",
+                "hbm_gib", "hbm_tbps", "gpus_per_node", "defer_grad_sync", "reduce_dtype",
+                "cp_attention", *STACK_KEYS, *PIPELINE_KEYS},
+    "run": {"source", "name", "split", "model", "world", "tp", "pp", "cp", "ep", "sp",
+            "loss_parallel", "schedule", "stages_per_rank", "strategy", "zero",
+            "reshard_after_forward", "reduce_dtype", "ac", "float8", "lora_rank", "lora_targets",
+            "lora_dropout", "gpu", "gpus_per_node", "global_batch", "micro_batch", "seq_len",
+            "metric", "value", "memory_gib", "eager_twin", "overlap_twin", *STACK_KEYS,
+            *PIPELINE_KEYS},
+    "model": {"kind", "hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate",
+              "vocab", "bias", "param_bytes", "moe_intermediate", "experts", "top_k"},
+    "sweep": {"source", "name", "script", "stated", "model", "world", "seq_len", "global_batch",
+              "micro_batch", "ac", "strategy", "schedule", "layouts", "fastest", "decreasing"},
+    "gain": {"source", "field", "run", "speedup"},
+    "calibration": {"attention_as"},
+}
+
+
+def check_keys(data: dict[str, Any]) -> None:
+    """Every key of ``data`` (``published.toml`` read) is one ``KEYS`` names, or a
+    ``ValueError`` lists each unknown one with its table, the nearest known key and the rest."""
+    import difflib
+
+    tables = {t: list(data.get(t, {}).items()) if isinstance(data.get(t), dict)
+              else [(x.get("name", i), x) for i, x in enumerate(data.get(t, []))] for t in KEYS}
+    tables["model"] = [(name, x["model"]) for t in ("run", "sweep") for name, x in tables[t]
+                       if isinstance(x.get("model"), dict)]
+    tables["run"] += [(f"{name}, layouts[{i}]", x) for name, sw in tables["sweep"]
+                      for i, x in enumerate(sw.get("layouts", []))]
+    bad = []
+    for table, entries in tables.items():
+        for name, entry in entries:
+            for key in sorted(set(entry) - KEYS[table]):
+                near = difflib.get_close_matches(key, KEYS[table], n=1)
+                bad.append(f"[{table}] {name!r}: {key!r}"
+                           + (f" (did you mean {near[0]!r}?)" if near else ""))
+    if bad:
+        raise ValueError(f"{DATA.name}: unknown keys, read as absent: {'; '.join(bad)}. "
+                         "Known keys of each table: calibration.KEYS")
+
+
 def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
     src = sources[r["source"]]
     from .gpus import ClusterTable
@@ -181,24 +234,13 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
         "gpus_per_node", gpu.gpus_per_node)), pp=pp, dp_shard=dp, cp=cp, tp=tp, ep=ep)
     view = view_of(layout, declared(_registry(), plugins, layout)[0])
     # the software of the source, where it differs from torch's (a row may say otherwise)
-    stack = {k: r.get(k, src.get(k)) for k in ("overlap_grad_reduce", "fused_attention",
-                                                "fused_elementwise", "p2p_split_over_tp",
-                                                "pooled_nics", "sac_saves_gathers",
-                                                "matmul_overlap", "overlap_p2p",
-                                                "fused_loss", "repeat_kv",
-                                                "fused_float8_casts", "norm_upcast",
-                                                "float8_attention", "recompute_stops_early",
-                                                "traced_recompute")}
+    stack = {k: r.get(k, src.get(k)) for k in STACK_KEYS}
     view = attrs.evolve(view, **{k: v for k, v in stack.items() if v is not None})
     # the pipeline of the source, where it differs from torch's: the stages' outputs its torch
     # kept (pp_keeps_outputs), no receive buffer per micro-batch (pp_recv_buffers, Megatron's),
     # gradient reductions behind the backward (pp_reduce_after_backward = false), each stage's
     # as its last backward ends (pp_reduce_per_chunk, Megatron-Core's)
-    pipe = {f: r.get(k, src.get(k)) for k, f in (("pp_keeps_outputs", "keeps_outputs"),
-                                                 ("pp_recv_buffers", "recv_buffers"),
-                                                 ("pp_reduce_after_backward",
-                                                  "reduce_after_backward"),
-                                                 ("pp_reduce_per_chunk", "reduce_per_chunk"))}
+    pipe = {f: r.get(k, src.get(k)) for k, f in PIPELINE_KEYS.items()}
     if view.pipeline is not None and any(v is not None for v in pipe.values()):
         view = attrs.evolve(view, pipeline=attrs.evolve(
             view.pipeline, **{f: v for f, v in pipe.items() if v is not None}))
@@ -214,7 +256,9 @@ def _row(r: dict[str, Any], sources: dict[str, Any]) -> Row:
 def _data() -> dict[str, Any]:
     import tomllib
 
-    return tomllib.loads(DATA.read_text())
+    data = tomllib.loads(DATA.read_text())
+    check_keys(data)
+    return data
 
 
 @functools.cache
