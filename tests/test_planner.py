@@ -956,6 +956,41 @@ def test_a_checkpointed_block_is_recomputed_up_to_what_backward_reads(linear):
     assert checkpointed - plain == forward - cfg.num_hidden_layers * ids.numel() * last
 
 
+def test_the_linears_recomputed_whole_are_declared_by_the_steps_and_join():
+    """Which linears an early-stopping recomputation still runs is declared
+    (``Cost.recomputed_whole``), not known to the planner by plugin: LoRA declares the linears
+    it adapts, float8 every linear (emulated too: the same autograd Function), a third-party
+    step its own; the sets of several steps join. The down projection among them: the
+    recomputation runs it (``skips_last_linear`` False)."""
+    from shardgraph.core.costs import LINEAR_ROLES, Cost
+    from shardgraph.core.layout import MeshLayout
+    from shardgraph.planner.cost import skips_last_linear
+    from shardgraph.planner.view import declared, fold, view_of
+    from shardgraph.plugins.builtin import builtin_registry
+
+    layout = MeshLayout(world_size=8, gpus_per_node=8, dp_shard=8)
+
+    def skips(**plugins) -> bool:
+        view = view_of(layout, declared(builtin_registry(), {
+            "fsdp2": {}, "activation_checkpointing": {}, **plugins}, layout)[0])
+        return skips_last_linear(view)
+
+    assert skips()
+    assert skips(lora={"rank": 4, "target_modules": ["q_proj", "v_proj"]})
+    assert not skips(lora={"rank": 4, "target_modules": ["down_proj"]})
+    assert not skips(lora={"rank": 4, "match_all_linear": True})
+    assert not skips(float8={}) and not skips(float8={"emulate": True})
+    ac = Cost(recompute=1.0, recompute_stops_early=True)
+    joined = fold([ac, Cost(recomputed_whole=("q",)), Cost(recomputed_whole=("down", "q"))])
+    assert joined.recomputed_whole == ("q", "down")
+    assert not skips_last_linear(view_of(layout, joined))
+    assert skips_last_linear(view_of(layout, fold([ac, Cost(recomputed_whole=("q",))])))
+    with pytest.raises(ValueError):
+        Cost(recomputed_whole=("down_proj",))  # roles, not module names
+    assert set(fold([ac, Cost(recomputed_whole=LINEAR_ROLES)]).recomputed_whole) == set(
+        LINEAR_ROLES)
+
+
 def test_a_declared_ring_is_priced_with_its_groups_members_in_a_node(monkeypatch):
     """A collective a step declares (``core.costs.Comm``) is priced as FSDP's rings are: over
     the NICs of its group's members in a node and, for an all-gather or reduce-scatter, with

@@ -127,6 +127,10 @@ class Cost:
     recomputation stops once it has produced again the last tensor backward reads (torch's
     non-reentrant checkpoint since 2.1, ``set_checkpoint_early_stop``): what follows it in the
     block, its last matmul where no later op keeps that matmul's output, is not run again.
+    ``recomputed_whole``: the block linears (by role, ``LINEAR_ROLES``) a recomputation that
+    stops early still runs: they keep what backward reads only once they have computed (an
+    autograd Function around the matmul, torchao's float8 linear; an adapter beside it, whose
+    input is kept after the frozen matmul has run). Role sets of several steps join.
     ``saves``: what a recomputed block keeps for backward: ``"input"`` (its input alone) or
     ``"alternate_matmuls"`` (its input and the outputs of its first, third, ... matmul, of
     attention and of the collectives; the rest is recomputed).
@@ -170,6 +174,8 @@ class Cost:
     loss_parallel: bool = False
     recompute: float = 0.0
     recompute_stops_early: bool = False
+    recomputed_whole: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=(
+        attrs.validators.deep_iterable(attrs.validators.in_(LINEAR_ROLES))))
     saves: str = attrs.field(default="input", validator=attrs.validators.in_(
         ("input", "alternate_matmuls")))
     attention_imbalance: float = 1.0

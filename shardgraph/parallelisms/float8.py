@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..core.blocks import output_embeddings
-from ..core.costs import Cost
+from ..core.costs import LINEAR_ROLES, Cost
 from ..core.errors import Violation, choices_hint, did_you_mean
 from ..core.values import Applied, Float8Training
 from ..plugins import Kind, Plugin
@@ -154,8 +154,9 @@ def _apply(model: nn.Module, options: Float8Options, ctx: MeshContext, inputs: d
 
 def _cost(options: Float8Options, layout) -> Cost:
     # the blocks' linears in float8 (emulation runs them in high precision); the planner prices
-    # the gain from torchtitan's published runs (planner/published.toml)
-    return Cost(float8_linears=not options.emulate)
+    # the gain from torchtitan's published runs (planner/published.toml); each an autograd
+    # Function that keeps its float8 operands as it computes: recomputed whole
+    return Cost(float8_linears=not options.emulate, recomputed_whole=LINEAR_ROLES)
 
 
 PLUGIN = Plugin(

@@ -372,15 +372,13 @@ def skips_last_linear(v: PlanView) -> bool:
     """Whether a recomputation that stops early (``recompute_stops_early``: torch's checkpoint)
     leaves a block's last matmul unrun: the MLP's down projection, whose output no later op
     keeps for backward (measured on a Llama block, torch 2.13: one forward's FLOPs less that
-    matmul's). Not where that linear keeps what backward reads only after it has computed:
-    torchao's float8 linear, an autograd Function, recomputed eagerly, and a LoRA adapter
-    beside it (the frozen matmul runs before the adapter's, which is kept last); a compiler
+    matmul's). Not where the plan's steps declare that linear recomputed whole
+    (``recomputed_whole``: it keeps what backward reads only after it has computed, as
+    torchao's float8 linear recomputed eagerly and a LoRA adapter beside it do); a compiler
     that traces the checkpointed block (``traced_recompute``) recomputes only what backward
     reads, those included. An MoE block's last matmuls are its experts', whose outputs the
     router's weights multiply (kept): run again."""
-    if v.traced_recompute:
-        return True
-    return not v.float8_linears and not (v.adapter_rank and "down" in v.adapted)
+    return v.traced_recompute or "down" not in v.recomputed_whole
 
 
 def last_matmul_flops(shape: ModelShape, kind: str) -> float:

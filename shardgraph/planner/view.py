@@ -59,6 +59,8 @@ class PlanView:
     #: torchtitan's order; shardgraph compiles inside it, and its recomputation runs eagerly):
     #: its partitioner recomputes only what backward reads
     traced_recompute: bool = False
+    #: the block linears a recomputation that stops early still runs (``Cost``)
+    recomputed_whole: tuple[str, ...] = ()
     #: what a recomputed block keeps (``Cost.saves``)
     ac_saves: str = "input"
     attention_imbalance: float = 1.0
@@ -176,7 +178,8 @@ def step_costs(plan) -> tuple[list[Cost], list[str]]:
 
 
 def fold(costs: list[Cost]) -> Cost:
-    """One record for the plan: each field from the step that sets it (comms add up)."""
+    """One record for the plan: each field from the step that sets it (comms add up, role sets
+    join)."""
     out: dict[str, Any] = {}
     comms: list[Comm] = []
     for c in costs:
@@ -184,7 +187,8 @@ def fold(costs: list[Cost]) -> Cost:
         for name, default in _cost_defaults():
             value = getattr(c, name)
             if value != default:
-                out[name] = value
+                out[name] = tuple(dict.fromkeys(out.get(name, ()) + value)) \
+                    if isinstance(default, tuple) else value
     return Cost(**{**out, "comms": tuple(comms)})
 
 
@@ -219,6 +223,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         layers_per_stage=pipe.layers_per_stage if pipe else None,
         unknown=unknown, pipeline=pipe, comms=cost.comms, recompute=cost.recompute,
         recompute_stops_early=cost.recompute_stops_early,
+        recomputed_whole=cost.recomputed_whole,
         ac_saves=cost.saves,
         attention_imbalance=cost.attention_imbalance, compute_speedup=cost.compute_speedup,
         float8_linears=cost.float8_linears,

@@ -215,9 +215,11 @@ def _cost(options: LoRAOptions, layout) -> Cost:
     # the planner bounds the adapters' share from the rank and skips the frozen base's
     # weight-gradient matmuls and gradient reductions (core.costs.Cost.adapter_rank); a dropout
     # draws one copy of the input per adapter, kept for backward with its mask; the adapted
-    # linears' inputs are what the frozen block still keeps for the adapters
-    return Cost(adapter_rank=options.rank, adapter_dropout=options.dropout > 0,
-                adapted=adapted_roles(options))
+    # linears' inputs are what the frozen block still keeps for the adapters; an adapted
+    # linear keeps the adapter's input after its frozen matmul has run: recomputed whole
+    roles = adapted_roles(options)
+    return Cost(adapter_rank=options.rank, adapter_dropout=options.dropout > 0, adapted=roles,
+                recomputed_whole=roles)
 
 
 PLUGIN = Plugin(
