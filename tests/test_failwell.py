@@ -308,21 +308,26 @@ def _ppid(pid: int) -> int:
 
 
 def workers(launcher: int) -> dict[int, int]:
-    """RANK -> pid of the launcher's worker processes."""
-    found = {}
+    """RANK -> pid of the launcher's worker processes: its fork server's children, each
+    named ``shardgraph-r<RANK>``."""
+    parents, names = {}, {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if _ppid(int(entry.name)) != launcher:
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = _ppid(int(entry.name))
+                names[int(entry.name)] = (entry / "comm").read_text().strip()
+            except (OSError, ValueError, IndexError):
                 continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        rank = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
-        if rank:
-            found[int(rank[0])] = int(entry.name)
-    return found
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == launcher:
+                return True
+        return False
+
+    return {int(name.removeprefix("shardgraph-r")): pid for pid, name in names.items()
+            if name.startswith("shardgraph-r") and under(pid)}
 
 
 def gone(pid: int) -> bool:
@@ -465,3 +470,21 @@ def test_a_worker_error_reaches_the_user_and_a_failed_save_does_not_stop_trainin
     assert last.startswith("shardgraph train: rank 1 failed: RuntimeError: injected failure "
                            "after step 5 on rank 1"), run.stderr
     assert json.loads((tmp_path / "ck" / "step_00000004" / "meta.json").read_text())["step"] == 4
+
+
+def test_workers_take_the_launchers_environment_at_launch_not_the_fork_servers(
+        tmp_path, monkeypatch, capsys):
+    """The workers are forked from a fork server started once per launcher process
+    (``shardgraph.train.launch``), with the environment of that moment. A launch from a
+    process whose environment has changed since (a library caller's second launch) gives its
+    workers the environment of now: here a failure injected by a variable set after the
+    server started reaches rank 1, and the report names it."""
+    from shardgraph.train import launch
+
+    launch.start()
+    monkeypatch.setenv(ckpt.FAULT_ENV, "raise-in-step:1:1")
+    path = write(tmp_path / "p.toml", pipeline_text(tmp_path / "ck", steps=2))
+    assert main(["train", str(path), "--nproc", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "shardgraph train: rank 1 failed: RuntimeError: injected failure after step 1 on " \
+        "rank 1" in err, err

@@ -141,6 +141,10 @@ def _launcher(args: argparse.Namespace) -> int:
         nproc = _nproc(args, pipeline)
     except PlanError as exc:
         problems += exc.violations
+    if not problems and nproc > 1:
+        from .launch import start
+
+        start()  # the workers' imports, beside the checks below
     # every problem of the file and the options at once (plan, model, data, checkpoint),
     # whatever the section, before anything is launched
     check(pipeline, nproc, "--nproc", problems)
@@ -161,7 +165,8 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+
+    from .launch import launch
 
     forwarded = ["train"] + ([str(Path(args.file).resolve())] if args.file else [])
     if args.steps is not None:
@@ -173,8 +178,6 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
     if args.profile is not None:
         forwarded += ["--profile", args.profile, "--profile-dir",
                       str(Path(args.profile_dir).resolve())]
-    # One thread per process: N processes share the cores (torchrun would warn and set it).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the launcher's pid: its workers end with it, however it ends (see _end_with_launcher)
     os.environ[LAUNCHED_ENV] = str(os.getpid())
     # torchrun's agent logs each worker it stops and a failure table: the report below says
@@ -183,9 +186,7 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
     if quiet:
         logging.disable(logging.ERROR)
     try:
-        # run(), not torchrun's main(): main's @record would log again about error files
-        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "shardgraph.train",
-                        *forwarded]))
+        launch(nproc, forwarded)
     except ChildFailedError as exc:
         return _report_failure(exc.failures)
     finally:
@@ -210,28 +211,29 @@ def _worker(args: argparse.Namespace) -> int:
 def _end_with_launcher(launcher: int) -> None:
     """Die when ``shardgraph train``'s launcher dies, by whatever signal: SIGKILL (the
     out-of-memory killer's) gives it no chance to stop its workers, which would otherwise
-    train on, orphaned. Linux sends a parent-death signal (prctl PR_SET_PDEATHSIG); elsewhere
-    a thread watches the parent pid. Either way a launcher already gone ends this at once."""
-    import ctypes
+    train on, orphaned. A thread watches the launcher's pid: the parent is the launcher's fork
+    server (``launch``), which outlives the launcher while its workers hold it, so a
+    parent-death signal would not come. A launcher already gone ends this at once."""
     import signal
     import threading
     import time
 
-    armed = False
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL(None, use_errno=True)
-        armed = libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0
-    if os.getppid() != launcher:  # it died before the signal was armed
-        os._exit(128 + int(signal.SIGKILL))
-    if armed:
-        return
+    def gone() -> bool:
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # it exists
+        return False
 
     def watch() -> None:
-        while os.getppid() == launcher:
-            time.sleep(1.0)
+        while not gone():
+            time.sleep(0.5)
         os._exit(128 + int(signal.SIGKILL))
 
+    if gone():
+        os._exit(128 + int(signal.SIGKILL))
     threading.Thread(target=watch, name="shardgraph-launcher-watch", daemon=True).start()
 
 
@@ -248,7 +250,7 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
     # our own launcher prints the failing rank's message; under a bare torchrun each prints
     reports = not os.environ.get(LAUNCHED_ENV)
     rank = int(os.environ.get("RANK", 0))
-    code = 0
+    code, kind = 0, None
     try:
         if pipeline is None:
             pipeline = _pipeline(args)
@@ -266,7 +268,7 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
             print(f"shardgraph train: {exc}", file=sys.stderr, flush=True)
         code = 2
     except Exception as exc:
-        _record("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        kind = _record("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
         if reports:
             traceback.print_exc()
         code = 1
@@ -278,7 +280,14 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
             dist.barrier()
             dist.destroy_process_group()
             time.sleep(0.5)
-        os._exit(code)  # a failed rank must not wait in a collective: torchrun stops the rest
+        if kind == "peer" and not reports:
+            # our launcher's agent reports the first worker it sees end (one a poll, every
+            # 0.1 s): a rank that only lost a peer leaves that to the peer, which ended first
+            time.sleep(_PEER_GRACE_S)
+        from . import launch
+
+        if code or not launch.in_worker:
+            os._exit(code)  # a failed rank must not wait in a collective: the agent stops the rest
     return code
 
 
@@ -314,22 +323,26 @@ def _fault_hook():
     return hook
 
 
+#: how long a worker of our launcher whose error only follows from a peer's end waits before
+#: it exits (the agent stops it sooner, once it has seen the peer end)
+_PEER_GRACE_S = 3.0
 #: a worker's error that only follows from another rank's end (a peer gone mid-collective)
 _PEER_GONE = re.compile(r"connection (reset|closed|refused)|broken pipe|by peer|"
                         r"DistNetworkError|DistBackendError|timed out", re.IGNORECASE)
 
 
-def _record(kind: str, text: str, trace: str = "") -> None:
+def _record(kind: str, text: str, trace: str = "") -> str:
     """Leave this rank's error where torchrun looks for it (``TORCHELASTIC_ERROR_FILE``: its
-    failure report shows ``message``), with what our launcher needs to pick the root cause."""
+    failure report shows ``message``), with what our launcher needs to pick the root cause;
+    the kind recorded (``"peer"``: an error that only follows from another rank's end)."""
     import json
     import time
 
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
     if kind == "error" and _PEER_GONE.search(text):
         kind = "peer"
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return kind
     data = {"message": text, "timestamp": int(time.time()),
             "shardgraph": {"kind": kind, "text": text, "traceback": trace,
                            "time": time.time()}}
@@ -338,6 +351,7 @@ def _record(kind: str, text: str, trace: str = "") -> None:
             json.dump(data, f)
     except OSError:
         pass  # the exit code still tells the launcher this rank failed
+    return kind
 
 
 def _report_failure(failures: dict) -> int:
@@ -453,14 +467,13 @@ def run_export(args: argparse.Namespace) -> int:
             print(f"exported {path}")
         return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from .launch import launch
+
     try:
-        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m",
-                        "shardgraph.train", "export", str(Path(args.file).resolve()),
-                        str(Path(args.checkpoint).resolve()), str(Path(args.out).resolve()),
-                        *(["--peft", str(peft.resolve())] if peft else [])]))
+        launch(nproc, ["export", str(Path(args.file).resolve()),
+                       str(Path(args.checkpoint).resolve()), str(Path(args.out).resolve()),
+                       *(["--peft", str(peft.resolve())] if peft else [])])
     except ChildFailedError as exc:
         return _report_failure(exc.failures)
     return 0
