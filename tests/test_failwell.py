@@ -472,15 +472,18 @@ def test_a_worker_error_reaches_the_user_and_a_failed_save_does_not_stop_trainin
     assert json.loads((tmp_path / "ck" / "step_00000004" / "meta.json").read_text())["step"] == 4
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_workers_take_the_launchers_environment_at_launch_not_the_fork_servers(
-        tmp_path, monkeypatch, capsys):
+        method, tmp_path, monkeypatch, capsys):
     """The workers are forked from a fork server started once per launcher process
     (``shardgraph.train.launch``), with the environment of that moment. A launch from a
     process whose environment has changed since (a library caller's second launch) gives its
     workers the environment of now: here a failure injected by a variable set after the
-    server started reaches rank 1, and the report names it."""
+    server started reaches rank 1, and the report names it. Where CUDA is available each
+    worker is spawned instead (a fresh interpreter): the same launch, the same report."""
     from shardgraph.train import launch
 
+    monkeypatch.setattr(launch, "_method", lambda: method)
     launch.start()
     monkeypatch.setenv(ckpt.FAULT_ENV, "raise-in-step:1:1")
     path = write(tmp_path / "p.toml", pipeline_text(tmp_path / "ck", steps=2))

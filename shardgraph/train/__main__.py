@@ -5,4 +5,5 @@ import sys
 
 from ..cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not where a spawned worker imports its launcher's main module
+    sys.exit(main())

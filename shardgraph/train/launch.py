@@ -4,9 +4,10 @@ that has imported torch and transformers once, where N fresh interpreters would 
 them again (~6 s of CPU apiece: most of a short run's start on a small node).
 
 The fork server is Python's (``multiprocessing``'s ``forkserver``): a process of its own,
-started before anything touches a GPU and holding no threads, that forks each worker. It ends
-when its launcher ends, however that ends, and its workers with it (``cli._end_with_launcher``).
-Its environment is the launcher's when it started; each worker takes the launcher's at launch.
+holding no threads, that forks each worker. Its environment is the launcher's when it started;
+each worker takes the launcher's at launch. Where CUDA is available each worker is a fresh
+interpreter instead (``spawn``): the imports ask CUDA for its devices, and a child forked after
+its parent has initialised CUDA cannot use it.
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ _started_env: dict[str, str] | None = None  # the environment the fork server st
 in_worker = False
 
 
+def _method() -> str:
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
 def start() -> None:
     """Start the fork server once per process, so that its imports run beside the launcher's
-    own checks. One thread per worker (N workers share the cores; torchrun would warn and set
-    it): ``OMP_NUM_THREADS`` must be set before the server imports torch."""
+    own checks (nothing where CUDA is available). One thread per worker (N workers share the
+    cores; torchrun would warn and set it): ``OMP_NUM_THREADS`` must be set before the server
+    imports torch."""
     global _started_env
-    if _started_env is not None:
+    if _started_env is not None or _method() != "forkserver":
         return
     from multiprocessing import forkserver
 
@@ -46,16 +54,21 @@ def launch(nproc: int, argv: list[str]) -> None:
     (its ``failures``: each failed rank's exit code and error file) when one fails."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    method = _method()
     start()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # what a worker's environment is before the agent sets its rank's: the server's, or this
+    # one's (spawn)
+    started = _started_env if method == "forkserver" else dict(os.environ)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex, max_restarts=0,
-                          start_method="forkserver")
-    elastic_launch(config, _worker)(list(argv), dict(os.environ), _started_env)
+                          start_method=method)
+    elastic_launch(config, _worker)(list(argv), dict(os.environ), started)
 
 
 def _worker(argv: list[str], environ: dict[str, str], started: dict[str, str]) -> int:
     """One rank: the launcher's environment now, under what the agent set for this rank
-    (``RANK``, ``MASTER_PORT``, its error file, ...: what differs from the server's start)."""
+    (``RANK``, ``MASTER_PORT``, its error file, ...: what differs from ``started``)."""
     global in_worker
     in_worker = True
     agent = {k: v for k, v in os.environ.items() if started.get(k) != v}
