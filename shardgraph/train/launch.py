@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import runpy
 import sys
 import uuid
 
@@ -78,9 +79,14 @@ def _worker(argv: list[str], environ: dict[str, str], started: dict[str, str]) -
     # each line as it is written, as torchrun's ``python -u`` workers wrote them
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
-    from ..cli import main
-
-    return main(argv)
+    # what torchrun's ``python -m shardgraph.train ARGV`` ran in an interpreter of its own (the
+    # command's entry, above every layer this module may import)
+    sys.argv = ["shardgraph.train", *argv]
+    try:
+        runpy.run_module("shardgraph.train", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    return 0
 
 
 def _name(name: str) -> None:
