@@ -1025,6 +1025,42 @@ def test_a_declared_ring_is_priced_with_its_groups_members_in_a_node(monkeypatch
     assert declared_cp == {("all_gather", 16, True, 8, 8), ("reduce_scatter", 16, True, 8, 8)}
 
 
+def test_the_experts_rings_are_priced_with_their_groups_members_in_a_node(monkeypatch):
+    """Under ep the experts are their own fully_shard unit over ``ep_shard``: the ranks that
+    hold the same experts, every ep-th of the dp x cp ranks (the mesh ``ep_shard, ep``, ep
+    inside). Their all-gather and reduce-scatter are priced as every other ring: over that
+    group's NICs in a node and with the network's latency at the hops that leave one. Qwen3
+    MoE on 16 ranks of two nodes, ep 4: groups of 4 with 2 members a node (priced before with
+    one NIC and every hop the network's)."""
+    from shardgraph.core.layout import MeshLayout
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner import cost
+    from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.gpus import PRESETS
+    from shardgraph.planner.view import Setup, declared, view_of
+    from shardgraph.plugins.builtin import builtin_registry
+
+    layout = MeshLayout(world_size=16, gpus_per_node=8, dp_shard=16, ep=4)
+    view = view_of(layout, declared(builtin_registry(), {"fsdp2": {}, "ep": {"size": 4}},
+                                    layout)[0])
+    assert (view.members_in_node("ep_shard"), view.group_crosses_nodes("ep_shard")) == (2, True)
+    shape = cal._shape({"kind": "qwen3_moe", "hidden": 2048, "layers": 8, "heads": 32,
+                        "kv_heads": 4, "head_dim": 128, "moe_intermediate": 768,
+                        "experts": 128, "top_k": 8, "vocab": 151936})
+    calls = []
+    priced = cost._collective
+
+    def recording(kind, n, nbytes, crosses, gpu, eff, per_node=1, in_node=1):
+        calls.append((kind, n, crosses, per_node, in_node))
+        return priced(kind, n, nbytes, crosses, gpu, eff, per_node, in_node)
+
+    monkeypatch.setattr(cost, "_collective", recording)
+    cost.step_time(shape, view, Setup(seq_len=4096, global_batch=16, micro_batch=1,
+                                      optimizer_states=2), PRESETS["H100-SXM"], FITTED)
+    experts = {c for c in calls if c[1] == 4 and c[0] in ("all_gather", "reduce_scatter")}
+    assert experts == {("all_gather", 4, True, 2, 2), ("reduce_scatter", 4, True, 2, 2)}
+
+
 def test_a_short_reduction_costs_a_matmul_its_tiles_fixed_share():
     """Each output tile of a matmul fills its pipeline and writes its result once, whatever its
     reduction length k: a matmul runs at k / (k + k0) of the intensity curve (k0 fitted, 128;

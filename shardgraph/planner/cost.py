@@ -546,10 +546,12 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                                               crosses, gpu, eff, k, inn)
         ep_shard = v.dp * v.cp // v.ep
         ex = held_numel(shape, held, v, True, unsharded=True) if v.ep > 1 else 0
-        if ex and ep_shard > 1:
-            cross = v.ep * ep_shard > v.gpus_per_node
-            ag += gathers * _collective("all_gather", ep_shard, ex * cb, cross, gpu, eff)
-            rs += reductions * _collective("reduce_scatter", ep_shard, ex * rb, cross, gpu, eff)
+        if ex and ep_shard > 1:  # the experts' own unit, over the ranks holding the same ones
+            cross = v.group_crosses_nodes("ep_shard")
+            k, inn = v.members_per_node("ep_shard"), v.members_in_node("ep_shard")
+            ag += gathers * _collective("all_gather", ep_shard, ex * cb, cross, gpu, eff, k, inn)
+            rs += reductions * _collective("reduce_scatter", ep_shard, ex * rb, cross, gpu, eff,
+                                           k, inn)
         first = ag / (gathers * units) if gathers else 0.0
         # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
         # backward they follow (on its own stream); what hides still costs ``eff.overlap`` of

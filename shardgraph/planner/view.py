@@ -127,12 +127,13 @@ class PlanView:
     def group_crosses_nodes(self, axis: str) -> bool:
         """Whether one process group of ``axis`` spans nodes (dense mesh ``pp, dp_replicate,
         dp_shard, cp, tp``, row-major: an axis's group is contiguous when every axis inside it
-        is folded in)."""
+        is folded in; the experts' ``ep_shard, ep`` split the dp x cp ranks, ep inside)."""
         inner = {"tp": self.tp, "cp": self.cp * self.tp,
                  "dp_shard": self.dp_shard * self.cp * self.tp,
                  "dp_shard_cp": self.dp_shard * self.cp * self.tp,
                  "dp_replicate": self.dp * self.cp * self.tp, "dp": self.dp * self.cp * self.tp,
-                 "pp": self.world, "ep": self.ep * self.tp}[axis]
+                 "pp": self.world, "ep": self.ep * self.tp,
+                 "ep_shard": self.dp * self.cp * self.tp}[axis]
         return inner > self.gpus_per_node
 
     def members_in_node(self, axis: str) -> int:
@@ -140,10 +141,12 @@ class PlanView:
         first)."""
         size = {"tp": self.tp, "cp": self.cp, "dp_shard": self.dp_shard,
                 "dp_shard_cp": self.dp_shard * self.cp, "dp_replicate": self.dp_replicate,
-                "dp": self.dp * self.cp, "pp": self.pp, "ep": self.ep}[axis]
+                "dp": self.dp * self.cp, "pp": self.pp, "ep": self.ep,
+                "ep_shard": self.dp * self.cp // self.ep}[axis]
         stride = {"tp": 1, "cp": self.tp, "dp_shard": self.cp * self.tp,
                   "dp_shard_cp": self.tp, "dp_replicate": self.dp_shard * self.cp * self.tp,
-                  "dp": self.tp, "pp": self.world // self.pp, "ep": self.tp}[axis]
+                  "dp": self.tp, "pp": self.world // self.pp, "ep": self.tp,
+                  "ep_shard": self.ep * self.tp}[axis]
         return max(1, min(size, self.gpus_per_node // stride))
 
     def members_per_node(self, axis: str) -> int:
