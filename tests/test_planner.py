@@ -991,6 +991,30 @@ def test_the_linears_recomputed_whole_are_declared_by_the_steps_and_join():
         LINEAR_ROLES)
 
 
+def _rings(monkeypatch, plugins: dict, layout, model: dict, setup) -> set[tuple]:
+    """(kind, group size, crosses nodes, NICs a node, members a node) of every all-gather and
+    reduce-scatter ``step_time`` prices for ``plugins`` on ``layout`` (H100s)."""
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner import cost
+    from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.gpus import PRESETS
+    from shardgraph.planner.view import declared, view_of
+    from shardgraph.plugins.builtin import builtin_registry
+
+    view = view_of(layout, declared(builtin_registry(), plugins, layout)[0])
+    calls = set()
+    priced = cost._collective
+
+    def recording(kind, n, nbytes, crosses, gpu, eff, per_node=1, in_node=1):
+        if kind in ("all_gather", "reduce_scatter"):
+            calls.add((kind, n, crosses, per_node, in_node))
+        return priced(kind, n, nbytes, crosses, gpu, eff, per_node, in_node)
+
+    monkeypatch.setattr(cost, "_collective", recording)
+    cost.step_time(cal._shape(model), view, setup, PRESETS["H100-SXM"], FITTED)
+    return calls
+
+
 def test_a_declared_ring_is_priced_with_its_groups_members_in_a_node(monkeypatch):
     """A collective a step declares (``core.costs.Comm``) is priced as FSDP's rings are: over
     the NICs of its group's members in a node and, for an all-gather or reduce-scatter, with
@@ -999,30 +1023,15 @@ def test_a_declared_ring_is_priced_with_its_groups_members_in_a_node(monkeypatch
     before with one NIC and 15 network hops (no published row has a declared ring with more
     than one member a node: none moved)."""
     from shardgraph.core.layout import MeshLayout
-    from shardgraph.planner import calibration as cal
-    from shardgraph.planner import cost
-    from shardgraph.planner.fitted import FITTED
-    from shardgraph.planner.gpus import PRESETS
-    from shardgraph.planner.view import Setup, declared, view_of
-    from shardgraph.plugins.builtin import builtin_registry
+    from shardgraph.planner.view import Setup
 
-    layout = MeshLayout(world_size=16, gpus_per_node=8, cp=16, dp_shard=1)
-    plugins = {"fsdp2": {}, "cp": {"size": 16, "attention": "allgather"}}
-    view = view_of(layout, declared(builtin_registry(), plugins, layout)[0])
-    shape = cal._shape({"kind": "llama", "hidden": 4096, "layers": 32, "heads": 32,
-                        "kv_heads": 8, "intermediate": 14336, "vocab": 128256})
-    calls = []
-    priced = cost._collective
-
-    def recording(kind, n, nbytes, crosses, gpu, eff, per_node=1, in_node=1):
-        calls.append((kind, n, crosses, per_node, in_node))
-        return priced(kind, n, nbytes, crosses, gpu, eff, per_node, in_node)
-
-    monkeypatch.setattr(cost, "_collective", recording)
-    cost.step_time(shape, view, Setup(seq_len=131072, global_batch=1, micro_batch=1,
-                                      optimizer_states=2), PRESETS["H100-SXM"], FITTED)
-    declared_cp = {c for c in calls if c[1] == 16 and c[0] in ("all_gather", "reduce_scatter")}
-    assert declared_cp == {("all_gather", 16, True, 8, 8), ("reduce_scatter", 16, True, 8, 8)}
+    calls = _rings(monkeypatch, {"fsdp2": {}, "cp": {"size": 16, "attention": "allgather"}},
+                   MeshLayout(world_size=16, gpus_per_node=8, cp=16, dp_shard=1),
+                   {"kind": "llama", "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8,
+                    "intermediate": 14336, "vocab": 128256},
+                   Setup(seq_len=131072, global_batch=1, micro_batch=1, optimizer_states=2))
+    assert {c for c in calls if c[1] == 16} == {("all_gather", 16, True, 8, 8),
+                                                ("reduce_scatter", 16, True, 8, 8)}
 
 
 def test_the_experts_rings_are_priced_with_their_groups_members_in_a_node(monkeypatch):
@@ -1033,32 +1042,20 @@ def test_the_experts_rings_are_priced_with_their_groups_members_in_a_node(monkey
     MoE on 16 ranks of two nodes, ep 4: groups of 4 with 2 members a node (priced before with
     one NIC and every hop the network's)."""
     from shardgraph.core.layout import MeshLayout
-    from shardgraph.planner import calibration as cal
-    from shardgraph.planner import cost
-    from shardgraph.planner.fitted import FITTED
-    from shardgraph.planner.gpus import PRESETS
     from shardgraph.planner.view import Setup, declared, view_of
     from shardgraph.plugins.builtin import builtin_registry
 
     layout = MeshLayout(world_size=16, gpus_per_node=8, dp_shard=16, ep=4)
-    view = view_of(layout, declared(builtin_registry(), {"fsdp2": {}, "ep": {"size": 4}},
-                                    layout)[0])
+    plugins = {"fsdp2": {}, "ep": {"size": 4}}
+    view = view_of(layout, declared(builtin_registry(), plugins, layout)[0])
     assert (view.members_in_node("ep_shard"), view.group_crosses_nodes("ep_shard")) == (2, True)
-    shape = cal._shape({"kind": "qwen3_moe", "hidden": 2048, "layers": 8, "heads": 32,
-                        "kv_heads": 4, "head_dim": 128, "moe_intermediate": 768,
-                        "experts": 128, "top_k": 8, "vocab": 151936})
-    calls = []
-    priced = cost._collective
-
-    def recording(kind, n, nbytes, crosses, gpu, eff, per_node=1, in_node=1):
-        calls.append((kind, n, crosses, per_node, in_node))
-        return priced(kind, n, nbytes, crosses, gpu, eff, per_node, in_node)
-
-    monkeypatch.setattr(cost, "_collective", recording)
-    cost.step_time(shape, view, Setup(seq_len=4096, global_batch=16, micro_batch=1,
-                                      optimizer_states=2), PRESETS["H100-SXM"], FITTED)
-    experts = {c for c in calls if c[1] == 4 and c[0] in ("all_gather", "reduce_scatter")}
-    assert experts == {("all_gather", 4, True, 2, 2), ("reduce_scatter", 4, True, 2, 2)}
+    calls = _rings(monkeypatch, plugins, layout,
+                   {"kind": "qwen3_moe", "hidden": 2048, "layers": 8, "heads": 32,
+                    "kv_heads": 4, "head_dim": 128, "moe_intermediate": 768, "experts": 128,
+                    "top_k": 8, "vocab": 151936},
+                   Setup(seq_len=4096, global_batch=16, micro_batch=1, optimizer_states=2))
+    assert {c for c in calls if c[1] == 4} == {("all_gather", 4, True, 2, 2),
+                                               ("reduce_scatter", 4, True, 2, 2)}
 
 
 def test_a_short_reduction_costs_a_matmul_its_tiles_fixed_share():
