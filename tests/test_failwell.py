@@ -472,6 +472,33 @@ def test_a_worker_error_reaches_the_user_and_a_failed_save_does_not_stop_trainin
     assert json.loads((tmp_path / "ck" / "step_00000004" / "meta.json").read_text())["step"] == 4
 
 
+@pytest.mark.parametrize("code, returned, printed", [(None, 0, ""), (3, 3, ""),
+                                                      ("no data at /x", 1, "no data at /x\n")])
+def test_a_worker_ends_with_its_exit_code_and_prints_an_exit_message(
+        code, returned, printed, monkeypatch, capsys):
+    """A worker returns its exit code to the agent (a function's return, not the process's
+    exit); ``sys.exit("message")`` in it prints the message and ends it with code 1, as an
+    interpreter of its own (torchrun's ``python -m shardgraph.train``) would."""
+    import runpy
+
+    from shardgraph.train import launch
+
+    def run_module(*args, **kwargs):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(runpy, "run_module", run_module)
+    monkeypatch.setattr(launch, "_name", lambda name: None)
+    monkeypatch.setattr(launch, "in_worker", False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    environ = dict(os.environ)
+    try:
+        assert launch._worker(["train", "p.toml"], {**environ, "RANK": "0"}, environ) == returned
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    assert capsys.readouterr().err == printed
+
+
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_workers_take_the_launchers_environment_at_launch_not_the_fork_servers(
         method, tmp_path, monkeypatch, capsys):

@@ -85,7 +85,10 @@ def _worker(argv: list[str], environ: dict[str, str], started: dict[str, str]) -
     try:
         runpy.run_module("shardgraph.train", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)  # as an interpreter ending on it prints it: code 1
+        return 1
     return 0
 
 
