@@ -3,12 +3,14 @@ cited): the efficiency constants are the fit on the ``fit`` rows, and the error 
 rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage error
-5.2% over the 312 rows of dense models (bound 6%), 3.9% over the 290 of them not in ``MISSES``,
-5.8% over 316 with Megatron-Bridge's four Qwen3 mixture-of-experts rows (bound 6.5%), no row off by
-more than 76% (the MoE rows; bound 80%); 6.6% over the 120 held out before llm-foundry's runs,
+5.3% over the 314 rows of dense models (bound 6%), 3.9% over the 292 of them not in ``MISSES``,
+5.8% over 318 with Megatron-Bridge's four Qwen3 mixture-of-experts rows (bound 6.5%), no row off by
+more than 76% (the MoE rows; bound 80%); 6.6% over the 122 held out before llm-foundry's runs,
 llm-foundry's 192 4.4%; held-out memory MAPE 4.3% over 16 rows (bound 10%), none more than 5% under
 a measured peak. The figures since, each as measured when its change landed (the misses' current
-figures are in ``MISSES``): 5.8% over the 312 (4.6% over 289 within 15%; the 120 6.3%,
+figures are in ``MISSES``): 5.2% over the 312 (3.9% over 290 not in ``MISSES``) before
+Megatron-Bridge's two GB200 runs (its 8B -6.9%: the same recipe ran 2.9% faster than on B200,
+where GB200's datasheet peak is 11% above B200's; its 405B at tp 4 x pp 16 +8.9%); 5.8% over the 312 (4.6% over 289 within 15%; the 120 6.3%,
 llm-foundry's 5.5%; with the MoE rows 6.4%) before a recomputation that stops early was priced
 (torch's checkpoint since 2.1 does not run a block's down projection again); 7.0% over 325 before a
 ring's latency was NCCL's and the intensity curve (x0, k0) was fitted on llm-foundry's size sweep
@@ -1066,14 +1068,16 @@ def test_gb200_is_priced_as_b200s_die_with_its_rack_as_one_nvlink_domain():
     B200's ceiling and attention share (the same die) at its own peak, and a published run on it
     takes a rack of 72 as its node (``gpus_per_node = 72``). MLPerf v5.0's Llama 3.1 405B on 256
     to 2,496 GB200s (tp 4 x pp 8 x vp 8 x cp 2, 32 to 112 micro-batches a step, NVIDIA's and
-    IBM, CoreWeave and NVIDIA's) are held out within 2.6%."""
+    IBM, CoreWeave and NVIDIA's) are held out within 2.6%. (Megatron-Bridge's 8B on one GB200
+    tray, B200's recipe, ran 2.9% faster than on B200 where the datasheets' peaks differ by 11%:
+    priced -6.9%.)"""
     from shardgraph.planner.fitted import FITTED
 
     assert FITTED.priced_as("GB200") == "B200" and not FITTED.calibrated("GB200")
     assert FITTED.ceiling("GB200") == FITTED.ceiling("B200")
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     rows = [r for r in cal.rows() if r.gpu.name == "GB200"]
-    big = [r for r in rows if r.shape.layers == 126]
+    big = [r for r in rows if r.shape.layers == 126 and r.source.startswith("mlperf")]
     assert len(big) == 7 and all(r.view.gpus_per_node == 72 for r in rows)
     assert all(abs(found[r.name]) < 0.03 for r in big), {r.name: found[r.name] for r in big}
     # tp x cp (8) stays in a rack; a stage's dp x cp x tp (64 at 512 GPUs) crosses racks from
