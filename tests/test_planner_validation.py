@@ -9,31 +9,32 @@ more than 76% (the MoE rows; bound 80%); 6.6% over the 122 held out before llm-f
 llm-foundry's 192 4.4%; held-out memory MAPE 4.3% over 16 rows (bound 10%), none more than 5% under
 a measured peak. The figures since, each as measured when its change landed (the misses' current
 figures are in ``MISSES``): 5.2% over the 312 (3.9% over 290 not in ``MISSES``) before
-Megatron-Bridge's two GB200 runs (its 8B -6.9%: the same recipe ran 2.9% faster than on B200,
-where GB200's datasheet peak is 11% above B200's; its 405B at tp 4 x pp 16 +8.9%); 5.8% over the 312 (4.6% over 289 within 15%; the 120 6.3%,
-llm-foundry's 5.5%; with the MoE rows 6.4%) before a recomputation that stops early was priced
-(torch's checkpoint since 2.1 does not run a block's down projection again); 7.0% over 325 before a
-ring's latency was NCCL's and the intensity curve (x0, k0) was fitted on llm-foundry's size sweep
-(whose 13 runs left the held-out set then), on the same 310 rows 6.9% against 5.8%. Earlier: 7.0%
-over the 325 rows of dense models (bound 7.5%; 6.6% over the 120 before MosaicML's llm-foundry runs
-of MPT 125M to 70B under torch FSDP on 8 to 512 H100s and 8 to 128 A100s of 80 and 40 GB at 512 to
-65,536 tokens, a stack with a ceiling and attention share of its own on each die fitted on two of
-its runs: the other 205 7.2%, 4.9% over the 178 within 15%, the 7B on 512 H100s +14%, its 1B and 3B
-with ZeRO-2 on 512 +16% and +19%, its narrow models' attention +15% to +43%, its 30B at 8,192
-tokens on one node -23% and two outliers of the 40GB table ``MISSES``; 6.9% over 319 before the six
-ZeRO-2 runs, 7.0% over 241 before the 40GB table's 78; 6.8% over the 105 before MLPerf's runs on
-GB200 NVL72, a rack of 72 as one NVLink domain: v5.0's Llama 3.1 405B on 256 to 2,496 GPUs, -1.7%
-to +2.1%, its Llama 2 70B LoRA on 8 to 512, -11% to -18% (``MISSES``: GB200 priced as B200's die at
-its datasheet peak), v5.1's, NVIDIA's and Wiwynn's, on 72 to 576, +0.5% to +8.2%); 6.1% over the 92
-before the University of Florida's MLPerf v5.1 runs on B200: Llama 3.1 8B on 8 to 256 GPUs, +0.6%,
--0.2%, +4.2%, +12.4%, +30% and +63% (``MISSES``: ring latency at 256 ranks), Llama 3.1 405B on 256
-and 448, +2.5% and +1.2%, Llama 2 70B LoRA on 8 to 128 with cp 1, 4 and 8, +6.4% to +11.5% (v5.0's
-runs of two of those layouts, whose steps took 15% and 19% longer, -6.1% and -8.3%); 6.2% over the
-89 before Krai's MLPerf v5.1 Llama 2 70B LoRA runs with tp 2 and 4 and no cp on 16 to 64 H200s,
--5.6%, +3.8% and +3.1%; 5.8% over the 86 before MLPerf v5.1's three Llama 3.1 8B runs on H100 and
-H200, -14%, -27% and +6%; 5.9% over the 83 before Megatron-Bridge 26.06's Llama 3.1 405B, Llama 3
-70B SFT and LoRA on H100, -1.6%, -7.0% and -3.1%; 6.1% before Transformer Engine's FP8 attention
-was priced, cost.Efficiency.float8_attention; 6.3% before a matmul's short reduction was priced,
+Megatron-Bridge's two GB200 runs (its 8B -6.9%: the same recipe ran 2.9% faster than on B200, where
+GB200's datasheet peak is 11% above B200's; its 405B at tp 4 x pp 16 +8.9%); 5.8% over the 312
+(4.6% over 289 within 15%; the 120 6.3%, llm-foundry's 5.5%; with the MoE rows 6.4%) before a
+recomputation that stops early was priced (torch's checkpoint since 2.1 does not run a block's down
+projection again); 7.0% over 325 before a ring's latency was NCCL's and the intensity curve (x0,
+k0) was fitted on llm-foundry's size sweep (whose 13 runs left the held-out set then), on the same
+310 rows 6.9% against 5.8%. Earlier: 7.0% over the 325 rows of dense models (bound 7.5%; 6.6% over
+the 120 before MosaicML's llm-foundry runs of MPT 125M to 70B under torch FSDP on 8 to 512 H100s
+and 8 to 128 A100s of 80 and 40 GB at 512 to 65,536 tokens, a stack with a ceiling and attention
+share of its own on each die fitted on two of its runs: the other 205 7.2%, 4.9% over the 178
+within 15%, the 7B on 512 H100s +14%, its 1B and 3B with ZeRO-2 on 512 +16% and +19%, its narrow
+models' attention +15% to +43%, its 30B at 8,192 tokens on one node -23% and two outliers of the
+40GB table ``MISSES``; 6.9% over 319 before the six ZeRO-2 runs, 7.0% over 241 before the 40GB
+table's 78; 6.8% over the 105 before MLPerf's runs on GB200 NVL72, a rack of 72 as one NVLink
+domain: v5.0's Llama 3.1 405B on 256 to 2,496 GPUs, -1.7% to +2.1%, its Llama 2 70B LoRA on 8 to
+512, -11% to -18% (``MISSES``: GB200 priced as B200's die at its datasheet peak), v5.1's, NVIDIA's
+and Wiwynn's, on 72 to 576, +0.5% to +8.2%); 6.1% over the 92 before the University of Florida's
+MLPerf v5.1 runs on B200: Llama 3.1 8B on 8 to 256 GPUs, +0.6%, -0.2%, +4.2%, +12.4%, +30% and +63%
+(``MISSES``: ring latency at 256 ranks), Llama 3.1 405B on 256 and 448, +2.5% and +1.2%, Llama 2
+70B LoRA on 8 to 128 with cp 1, 4 and 8, +6.4% to +11.5% (v5.0's runs of two of those layouts,
+whose steps took 15% and 19% longer, -6.1% and -8.3%); 6.2% over the 89 before Krai's MLPerf v5.1
+Llama 2 70B LoRA runs with tp 2 and 4 and no cp on 16 to 64 H200s, -5.6%, +3.8% and +3.1%; 5.8%
+over the 86 before MLPerf v5.1's three Llama 3.1 8B runs on H100 and H200, -14%, -27% and +6%; 5.9%
+over the 83 before Megatron-Bridge 26.06's Llama 3.1 405B, Llama 3 70B SFT and LoRA on H100, -1.6%,
+-7.0% and -3.1%; 6.1% before Transformer Engine's FP8 attention was priced,
+cost.Efficiency.float8_attention; 6.3% before a matmul's short reduction was priced,
 cost.efficiency's k0; 5.9% over the 81 before Oracle's two MLPerf v5.0 LoRA runs), 7.5% over 329
 (7.7% over 245 before the 40GB table's, 8.0% over 124 before llm-foundry's, 8.4% over the 109
 before GB200's) with Megatron-Bridge's four Qwen3 mixture-of-experts rows, -74% to +11% (bound 9%:
