@@ -1,9 +1,10 @@
 """The planner's attention share, measured: causal SDPA against the block's matmuls on one GPU.
 
-The planner prices flash attention's FLOPs at ``Efficiency.attention`` of the linears'
-efficiency (``shardgraph/planner/cost.py``), fitted per GPU from published step times: 1.0 on
-the H100s of the Llama 3 paper and NVIDIA's stacks, 0.3 on torchtitan's 500 W H100s
-(torch's SDPA), and H200 has no fit of its own. This measures what the planner assumes, for
+The planner prices flash attention's FLOPs at ``Efficiency.attention`` of the GPU's ceiling
+(``e_max``, a large matmul's efficiency; ``shardgraph/planner/cost.py``), fitted per GPU from
+published step times: 0.9 on the H100s of the Llama 3 paper, 0.4 under Transformer Engine
+(NVIDIA's stacks), 0.3 on torchtitan's 500 W H100s (torch's SDPA), and H200 has no fit of its
+own but Transformer Engine's. This measures what the planner assumes, for
 the torch on this machine: a bf16 matmul of an 8B block's MLP shape (tokens x 4096 x 14336)
 and causal SDPA forward + backward (32 query heads, 8 K/V heads through ``enable_gqa``, head
 dim 128) at each sequence length and each backend torch offers, counted as the planner counts

@@ -9,8 +9,9 @@ the pipeline bubble.
 - Compute time: those FLOPs over the GPU's peak times an achieved efficiency that grows with
   each linear's arithmetic intensity on one rank, ``x = 1 / (1/m + 1/k + 1/n)`` for its
   (tokens, input, output) after tp and cp split them: ``eff = e_max * x / (x + x0)``, fitted.
-  Flash attention runs at a share of that fitted per GPU (its backward recomputes the scores:
-  2.5 forwards), in float8 (a stack's FP8 attention) at a fitted speed-up over that;
+  Flash attention runs at a share of the GPU's ceiling fitted per GPU, at any width or tp
+  (its backward recomputes the scores: 2.5 forwards), in float8 (a stack's FP8 attention)
+  at a fitted speed-up over that;
   attention that materialises the scores (no flash attention) computes the whole square,
   masked after: twice the causal FLOPs, at the linears' efficiency. Float8
   linears (the blocks', not the head) run at a fitted speed-up on GPUs with float8 tensor
@@ -87,8 +88,8 @@ class Efficiency:
     #: the blocks' linears' speed-up in float8 on a GPU with float8 tensor cores (torchao's
     #: casts and scales included)
     float8: float = 1.0
-    #: (GPU preset, flash attention's efficiency over the linears'): its FLOPs at
-    #: ``e * attention`` (a GPU without measurements: ``fallback``'s)
+    #: (GPU preset, flash attention's efficiency over the GPU's ceiling): its FLOPs at
+    #: ``e_max * attention`` (a GPU without measurements: ``fallback``'s)
     attention: tuple[tuple[str, float], ...] = ()
     #: flash attention's speed-up in float8 (``PlanView.float8_attention``) on a GPU with
     #: float8 tensor cores, fitted on a published end-to-end gain
@@ -439,12 +440,13 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         memory_bound += eff.elementwise * n_micro * sum(
             n * adapter_bytes(shape, v, tokens, kind, 1 + recomputes)
             for kind, n in held.kinds if kind not in EXTRAS) / gpu.hbm_bw
-    # attention's own kernel (flash attention) reaches ``Efficiency.attention`` of the
-    # linears' efficiency, in float8 ``Efficiency.float8_attention`` times that (its time here
-    # and what cp's ring hides behind, below); materialised scores are batched matmuls priced
-    # as the linears
-    e_attn = e * (eff.attention_share(gpu.name) if v.fused_attention else 1.0) * (
-        eff.float8_attention if v.float8_attention and gpu.fp8 else 1.0)
+    # attention's own kernel (flash attention) reaches ``Efficiency.attention`` of the GPU's
+    # ceiling whatever the model's width or tp's shards (its tiles are a head's: a narrow model
+    # or tp 8 narrows the linears, not them), in float8 ``Efficiency.float8_attention`` times
+    # that (its time here and what cp's ring hides behind, below); materialised scores are
+    # batched matmuls priced as the linears
+    e_attn = (eff.ceiling(gpu.name) * eff.attention_share(gpu.name) if v.fused_attention
+              else e) * (eff.float8_attention if v.float8_attention and gpu.fp8 else 1.0)
     # flash attention's backward recomputes the scores: 2.5 forwards' FLOPs, not 2; the
     # materialised scores are the whole square (baddbmm, then the causal mask): twice causal's
     attention = attn_flops * held.layers * n_micro * v.attention_imbalance * (
