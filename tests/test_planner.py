@@ -636,6 +636,39 @@ def test_materialised_attention_computes_the_whole_square():
         pytest.approx(extra)
 
 
+def test_flash_attention_runs_at_its_share_of_the_ceiling_whatever_tp():
+    """Flash attention's tiles are a head's: tp 8 narrows the linears (their efficiency falls
+    with their shards' widths) but not the attention kernel, which runs at its fitted share of
+    the GPU's ceiling at any tp or model width. NeMo's Llama 2 7B ran 549 TFLOP/s a GPU at 256K
+    tokens under tp 4 and at 512K under tp 8, 32K tokens a rank in both
+    (``test_nemos_long_sequence_sweep_is_held_out_but_its_two_ends``): priced at a share of the
+    linears' efficiency, the two were 17 points apart. Here: what attention's share moves in a
+    step, per FLOP, is the same at tp 1, 2 and 8, where the linears' efficiency is not."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import step_time
+
+    row = next(r for r in cal.rows() if r.name == "Llama 3.1 8B FSDP 8 H100 (Table 1)")
+    gpu = row.gpu.name
+    assert row.view.fused_attention and row.view.tp == 1
+
+    def at(share: float):
+        return attrs.evolve(cal.FITTED, attention=tuple(
+            (g, share if g == gpu else a) for g, a in cal.FITTED.attention))
+
+    moved, linears = {}, {}
+    for tp in (1, 2, 8):  # attention's FLOPs a rank are 1 / tp of the whole
+        view = attrs.evolve(row.view, tp=tp)
+        half, quarter = (step_time(row.shape, view, row.setup, row.gpu, at(s))
+                         for s in (0.5, 0.25))
+        moved[tp] = (quarter["breakdown_s"]["compute"] - half["breakdown_s"]["compute"]) * tp
+        linears[tp] = half["efficiency"]
+    assert moved[1] > 0 and moved[2] == pytest.approx(moved[1]) and moved[8] == pytest.approx(
+        moved[1])
+    assert linears[8] < linears[2] < linears[1]
+
+
 def test_the_head_runs_forward_and_backward_and_is_never_recomputed():
     """Activation checkpointing recomputes the blocks, not the LM head (torchtitan, Megatron
     and shardgraph checkpoint decoder blocks only): a wider vocabulary costs its head's FLOPs
