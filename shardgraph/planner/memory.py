@@ -73,22 +73,40 @@ def even_split(n_layers: int, n_stages: int, layers_per_stage: int | None) -> li
 @functools.cache
 def _stage_layers(shape: ModelShape, pp: int, per_rank: int, v_shape: bool,
                   layers_per_stage: int | None, split) -> list[tuple[Held, int]]:
+    out = []
+    for stages in _stage_holdings(shape, pp, per_rank, v_shape, layers_per_stage, split):
+        held: collections.Counter = collections.Counter()
+        for h in stages:
+            held.update(dict(h.kinds))
+        out.append((Held(tuple(sorted(held.items()))), len(stages)))
+    return out
+
+
+def stage_holdings(shape: ModelShape, v: PlanView) -> list[list[Held]]:
+    """For each pp rank: what each of its stages holds, in the order it runs them (rank r's
+    stages r, r + pp, ... looped; r and 2 pp - 1 - r in a V)."""
+    pipe = v.pipeline
+    return _stage_holdings(shape, v.pp, v.stages_per_rank, bool(pipe and pipe.v_shape),
+                           v.layers_per_stage, pipe.split if pipe and pipe.split else even_split)
+
+
+@functools.cache
+def _stage_holdings(shape: ModelShape, pp: int, per_rank: int, v_shape: bool,
+                    layers_per_stage: int | None, split) -> list[list[Held]]:
     n_stages = pp * per_rank if pp > 1 else 1
     ranges = split(shape.layers, n_stages, layers_per_stage)
-    ranks: list[tuple[collections.Counter, int]] = [(collections.Counter(), 0) for _ in range(pp)]
+    ranks: list[list[collections.Counter]] = [[] for _ in range(pp)]
 
     def rank_of(s: int) -> int:
         return (s if s < pp else 2 * pp - 1 - s) if v_shape else s % pp
 
     for s, layers in enumerate(ranges):
-        held, count = ranks[rank_of(s)]
-        held.update(layer_kind(shape, i) for i in layers)
+        held = collections.Counter(layer_kind(shape, i) for i in layers)
         held.update((["first"] if s == 0 else []) + (["last"] if s == n_stages - 1 else []))
-        ranks[rank_of(s)] = (held, count + 1)
-    last = ranks[rank_of(n_stages - 1)][0]
-    if shape.tied and "first" not in last:
-        last.update(["tied"])  # the last stage's copy of the tied embedding
-    return [(Held(tuple(sorted(c.items()))), n) for c, n in ranks]
+        if s == n_stages - 1 and shape.tied and rank_of(s) != rank_of(0):
+            held.update(["tied"])  # the last stage's copy of the tied embedding
+        ranks[rank_of(s)].append(held)
+    return [[Held(tuple(sorted(c.items()))) for c in stages] for stages in ranks]
 
 
 def _chunk(n: int, parts: int) -> int:
@@ -356,6 +374,42 @@ def inflight(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> float:
     return float(min(every, (chunks - 1) * m + 2 * (pp - 1 - rank) + 1))
 
 
+def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
+                 ) -> tuple[tuple[float, frozenset[int], frozenset[int]], ...] | None:
+    """Where pp rank ``rank``'s memory may peak when each of its stages reduces its deferred
+    gradients, and frees them and its gathered parameters, after its own last backward (torch:
+    a ``REDUCE_GRAD`` action right after each stage's last backward, then FSDP's post-backward;
+    ``PipelineCost.reduce_after_backward``): at the start of each backward where the set of
+    live stages changes, (the chunk forwards in flight, the rank's stages, by local index,
+    whose gradients are live, those whose gathered parameters are). A stage's gradients live
+    from its first backward, its parameters from its first forward, both until its last
+    backward. Under a looped schedule the backwards of a round run the rank's stages last to
+    first, ``m`` micro-batches each, so with one round (as many micro-batches as ranks, or
+    GPipe's order) a rank never holds two stages' gradients, and the first stage's backwards
+    find fewer forwards in flight. None where the planner prices every stage's as live at the
+    peak: one stage a rank, a split backward (zero bubble) or a V (over: the safe side)."""
+    pipe = v.pipeline
+    if (v.pp <= 1 or chunks <= 1 or pipe is None or pipe.split_backward or pipe.v_shape
+            or not pipe.reduce_after_backward):
+        return None
+    # the forwards run before the first backward; the rounds of m micro-batches
+    rounds = 1 if pipe.forward_first else max(1, n_micro // v.pp)
+    return _staged_peaks(n_micro, chunks, inflight(v, n_micro, chunks, rank), rounds)
+
+
+@functools.lru_cache(maxsize=4096)
+def _staged_peaks(n_micro: int, chunks: int, before_first: float, rounds: int
+                  ) -> tuple[tuple[float, frozenset[int], frozenset[int]], ...]:
+    every = n_micro * chunks
+    m = n_micro // rounds
+    first = [(chunks - 1 - c) * m for c in range(chunks)]
+    last = [(rounds - 1) * chunks * m + f + m - 1 for f in first]
+    points = sorted({*first, *(k + 1 for k in last if k + 1 < every)})
+    return tuple((min(every, before_first + k) - k,
+                  frozenset(c for c in range(chunks) if first[c] <= k <= last[c]),
+                  frozenset(c for c in range(chunks) if k <= last[c])) for k in points)
+
+
 def activation_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n_stages: int,
                      dtype: int, rank: int = 0) -> float:
     """Activations live at the peak of pp rank ``rank``'s step."""
@@ -434,7 +488,14 @@ def activation_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held, n
 def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
                  dtype: int, chunks: int = 1) -> float:
     """Unsharded copies a data-parallel strategy keeps besides the shards, and a pipeline
-    stage's receive buffers (``recv_buffers``).
+    stage's receive buffers (``recv_buffers``): the sum of ``buffer_parts``."""
+    received, params, grads = buffer_parts(shape, v, setup, held, dtype, chunks)
+    return received + params + grads
+
+
+def buffer_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
+                 dtype: int, chunks: int = 1) -> tuple[float, float, float]:
+    """(receive buffers, unsharded parameters, unsharded gradients) of ``held``.
 
     fully_shard (FSDP2): the gathered parameters of the block running and the one prefetched,
     or, when parameters are not resharded after forward (fsdp2's default under pp), every
@@ -446,9 +507,9 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
     """
     received = recv_buffers(shape, v, setup, held, dtype, chunks)
     if v.strategy == "replicate":
-        return received + 2 * 25 * 2**20
+        return received, 0.0, float(2 * 25 * 2**20)
     if v.strategy not in ("fully_shard", "sharded"):
-        return received
+        return received, 0.0, 0.0
     dense = held_numel(shape, held, v, False if v.ep > 1 else None, unsharded=True)
     block = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), v, unsharded=True)
     reduce = v.reduce_bytes or shape.param_bytes
@@ -458,13 +519,13 @@ def buffer_bytes(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
         # stage 2 keeps unsharded gradients until they are split
         params = 0
         if v.shards < 2:
-            return float(received)
+            return received, 0.0, 0.0
     _, n_micro = microbatches(v, setup)
     # torch's pipeline stages reduce an fsdp module's gradients on the last micro-batch only
     # (``backward_maybe_with_nosync``), whatever the strategy's own setting
     defer = v.defer_grad_sync or v.pp > 1
     grads = dense * reduce if defer and n_micro > 1 else block * reduce
-    return float(received + params + grads * trainable_share(shape, v))
+    return received, float(params), float(grads * trainable_share(shape, v))
 
 
 def recv_buffers(shape: ModelShape, v: PlanView, setup: Setup, held: Held, dtype: int,

@@ -12,8 +12,8 @@ from ..core.errors import PlanError, Violation
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
-from .memory import (FUSED_SAVES, activation_parts, buffer_bytes, held_activations,
-                     microbatches, stage_layers, state_bytes)
+from .memory import (FUSED_SAVES, activation_parts, buffer_parts, held_activations,
+                     microbatches, stage_holdings, stage_layers, staged_peaks, state_bytes)
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, plan_view
 
@@ -116,17 +116,30 @@ def _rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
                  fused_saves: float) -> tuple[dict[str, int], ...]:
     act_dtype = v.compute_bytes or shape.param_bytes
     states = state_bytes(shape, v, setup)
-    out, seen = [], {}
+    out, seen, stage_seen = [], {}, {}
     n_micro = microbatches(v, setup)[1]
     offloaded = v.cpu_offload
+    staged = v.strategy == "fully_shard" and v.pp > 1
+    holdings = stage_holdings(shape, v) if staged else None
     for rank, ((held, chunks), st) in enumerate(zip(stage_layers(shape, v), states)):
         if (held, chunks) not in seen:  # ranks that hold alike are priced once
             seen[held, chunks] = (activation_parts(shape, v, setup, held, chunks, act_dtype,
                                                    fused_saves),
-                                  buffer_bytes(shape, v, setup, held, act_dtype, chunks))
-        parts, buffers = seen[held, chunks]
+                                  buffer_parts(shape, v, setup, held, act_dtype, chunks))
+        parts, (received, params, grads) = seen[held, chunks]
         # the rank's own micro-batches in flight (rank r of 1F1B: pp - r)
         act = held_activations(parts, v, n_micro, chunks, rank)
+        buffers = received + params + grads
+        points = staged_peaks(v, n_micro, chunks, rank) if staged else None
+        if points:  # each stage frees its gradients and parameters after its last backward
+            for h in holdings[rank]:
+                if h not in stage_seen:
+                    _, p, g = buffer_parts(shape, v, setup, h, act_dtype)
+                    stage_seen[h] = (0.0 if v.reshard_after_forward else p, g)
+            # parameters resharded after forward: two blocks gathered at a time, whatever stage
+            always = received + (params if v.reshard_after_forward else 0.0)
+            act, buffers = _staged_peak([stage_seen[h] for h in holdings[rank]], parts,
+                                        points, always)
         # what the steps declare: a scale on activations, bytes on every rank
         act, buffers = act * v.activation_scale, buffers + v.memory_bytes
         memory = {"params": 0 if offloaded else st["params"],
@@ -137,6 +150,21 @@ def _rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
         memory["total"] = sum(memory.values())
         out.append(memory)
     return tuple(out)
+
+
+def _staged_peak(stages: list[tuple[float, float]], parts: tuple[float, float], points,
+                 always: float) -> tuple[float, float]:
+    """(activations, buffers) at the highest of ``staged_peaks``' points: the chunk forwards
+    in flight there, and the unsharded parameters and gradients (``stages``, by local stage)
+    of the stages live there besides the buffers held ``always``."""
+    per_micro_batch, fixed = parts
+    best = (-1.0, 0.0, 0.0)
+    for in_flight, grads, params in points:
+        act = per_micro_batch * in_flight / len(stages) + fixed
+        buf = always + sum(stages[c][1] for c in grads) + sum(stages[c][0] for c in params)
+        if act + buf > best[0]:
+            best = (act + buf, act, buf)
+    return best[1], best[2]
 
 
 def fits(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU) -> bool:
