@@ -51,7 +51,7 @@ def _rank(result, *parts: str) -> int | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="ranked #535: with 96 GB, the loss on vocabulary "
+@pytest.mark.xfail(strict=True, reason="ranked #534: with 96 GB, the loss on vocabulary "
                    "shards and each pipeline rank holding only what torch's schedule keeps on it "
                    "(no other micro-batch's logits: shardgraph steps with return_outputs=False), "
                    "layouts without activation checkpointing fit (tp 4 x pp 4 x cp 2 under zero "

@@ -126,8 +126,9 @@ def test_bubble_and_peak_activations_are_torchs(schedule, pp, n, recompute):
 def _staged_play(actions, n: int, pp: int, rank: int, act: float, grads, params) -> float:
     """Rank ``rank``'s peak at the start of each backward in torch's order with the
     ``REDUCE_GRAD`` actions torch's runtime adds (``_add_reduce_grad``: after each stage's last
-    backward): a chunk's activations per forward in flight, a stage's gradients from its first
-    backward and its gathered parameters from its first forward, both until its reduction."""
+    backward): a chunk's activations per forward in flight (until its whole backward, or its
+    weight pass when split), a stage's gradients from its first whole backward or weight pass
+    and its gathered parameters from its first forward, both until its reduction."""
     ops = [a for a in S._add_reduce_grad(list(actions), n) if a is not None]
     in_flight, peak = 0, 0.0
     grads_live, params_live = set(), set()
@@ -136,7 +137,7 @@ def _staged_play(actions, n: int, pp: int, rank: int, act: float, grads, params)
         if a.computation_type == C.FORWARD:
             in_flight += 1
             params_live.add(c)
-        elif a.computation_type == C.FULL_BACKWARD:
+        elif a.computation_type in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
             grads_live.add(c)
             peak = max(peak, in_flight * act + sum(grads[i] for i in grads_live)
                        + sum(params[i] for i in params_live))
@@ -147,7 +148,7 @@ def _staged_play(actions, n: int, pp: int, rank: int, act: float, grads, params)
     return peak
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs"])
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "zero_bubble"])
 @pytest.mark.parametrize("pp,n", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 10), (8, 12),
                                   (8, 32), (4, 5)])
 def test_each_stage_frees_its_gradients_after_its_last_backward_as_torch_orders_it(
@@ -157,12 +158,13 @@ def test_each_stage_frees_its_gradients_after_its_last_backward_as_torch_orders_
     micro-batches as ranks: torchtitan's default) a rank holds one stage's gradients at a
     time, and its first stage's backwards find fewer forwards in flight. The points
     ``staged_peaks`` names give every rank's peak as torch's own tables play it out, for any
-    sizes of a chunk's activations and of each stage's gradients and parameters."""
+    sizes of a chunk's activations and of each stage's gradients and parameters, a whole
+    backward's or a split one's (zero bubble: its weight passes free the activations)."""
     import random
 
     from shardgraph.planner.memory import staged_peaks
 
-    view, v = _view(schedule, pp, n, 1.0)
+    view, v = _view(schedule, pp, n, 0.0 if schedule == "zero_bubble" else 1.0)
     order = _torch_order(view.schedule, pp, v, n)
     rng = random.Random(pp * 100 + n)
     for rank in range(pp):
@@ -174,16 +176,18 @@ def test_each_stage_frees_its_gradients_after_its_last_backward_as_torch_orders_
             params = [rng.uniform(0.0, 6.0) for _ in range(v)]
             planner = max(f * act + sum(grads[c] for c in g) + sum(params[c] for c in p)
                           for f, g, p in points)
-            assert planner == pytest.approx(
-                _staged_play(order[rank], n, pp, rank, act, grads, params)), (rank, points)
+            played = _staged_play(order[rank], n, pp, rank, act, grads, params)
+            assert planner == pytest.approx(played), (rank, points)
+            # and never more than every stage's live with the most forwards in flight
+            assert planner <= inflight(view, n, v, rank) * act + sum(grads) + sum(params) + 1e-9
 
 
 def test_schedules_without_a_known_order_of_reductions_keep_every_stage_live():
-    """A split backward (zero bubble), a V, one stage a rank or a stack whose reductions are
-    not torch's stages' are priced with every stage's gradients live at the peak (over)."""
+    """A V, one stage a rank or a stack whose reductions are not torch's stages' are priced
+    with every stage's gradients live at the peak (over)."""
     from shardgraph.planner.memory import staged_peaks
 
-    for schedule in ("zero_bubble", "v_schedule", "1f1b", "gpipe"):
+    for schedule in ("v_schedule", "1f1b", "gpipe"):
         view, v = _view(schedule, 4, 8, 1.0)
         assert staged_peaks(view, 8, v) is None, schedule
     view, v = _view("interleaved_1f1b", 4, 8, 1.0)

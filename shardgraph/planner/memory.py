@@ -386,26 +386,34 @@ def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
     backward. Under a looped schedule the backwards of a round run the rank's stages last to
     first, ``m`` micro-batches each, so with one round (as many micro-batches as ranks, or
     GPipe's order) a rank never holds two stages' gradients, and the first stage's backwards
-    find fewer forwards in flight. None where the planner prices every stage's as live at the
-    peak: one stage a rank, a split backward (zero bubble) or a V (over: the safe side)."""
+    find fewer forwards in flight. A split backward (zero bubble) frees a micro-batch's
+    activations and adds to its stage's gradients in the weight pass, which runs in the same
+    order. None where the planner prices every stage's as live at the peak: one stage a rank,
+    or a V (over: the safe side)."""
     pipe = v.pipeline
-    if (v.pp <= 1 or chunks <= 1 or pipe is None or pipe.split_backward or pipe.v_shape
+    if (v.pp <= 1 or chunks <= 1 or pipe is None or pipe.v_shape
             or not pipe.reduce_after_backward):
         return None
-    # the forwards run before the first backward; the rounds of m micro-batches
+    # the forwards in flight at the first backward (at most, for a split one); the rounds
     rounds = 1 if pipe.forward_first else max(1, n_micro // v.pp)
-    return _staged_peaks(n_micro, chunks, inflight(v, n_micro, chunks, rank), rounds)
+    return _staged_peaks(n_micro, chunks, inflight(v, n_micro, chunks, rank), rounds,
+                         pipe.split_backward)
 
 
 @functools.lru_cache(maxsize=4096)
-def _staged_peaks(n_micro: int, chunks: int, before_first: float, rounds: int
+def _staged_peaks(n_micro: int, chunks: int, peak: float, rounds: int, split: bool
                   ) -> tuple[tuple[float, frozenset[int], frozenset[int]], ...]:
+    """The k-th backward (weight pass, when split) is stage ``chunks - 1 - (k mod chunks m)
+    // m``'s. Before it, a whole backward's order has run ``peak + k`` forwards (``peak``:
+    those before the first; then one forward for each backward); a split one's weight passes
+    trail its input passes, so a bound stands in: ``peak`` in flight, and no more than the
+    forwards whose weight pass has not run (torch's tables meet it on every rank)."""
     every = n_micro * chunks
     m = n_micro // rounds
     first = [(chunks - 1 - c) * m for c in range(chunks)]
     last = [(rounds - 1) * chunks * m + f + m - 1 for f in first]
     points = sorted({*first, *(k + 1 for k in last if k + 1 < every)})
-    return tuple((min(every, before_first + k) - k,
+    return tuple((min(peak, every - k) if split else min(every, peak + k) - k,
                   frozenset(c for c in range(chunks) if first[c] <= k <= last[c]),
                   frozenset(c for c in range(chunks) if k <= last[c])) for k in points)
 
