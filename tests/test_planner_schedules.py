@@ -167,19 +167,24 @@ def test_each_stage_frees_its_gradients_after_its_last_backward_as_torch_orders_
     view, v = _view(schedule, pp, n, 0.0 if schedule == "zero_bubble" else 1.0)
     order = _torch_order(view.schedule, pp, v, n)
     rng = random.Random(pp * 100 + n)
+    staged = 0
     for rank in range(pp):
         points = staged_peaks(view, n, v, rank)
-        assert points is not None
+        staged += points is not None
         for _ in range(20):
             act = rng.uniform(0.1, 3.0)
             grads = [rng.uniform(0.0, 12.0) for _ in range(v)]
             params = [rng.uniform(0.0, 6.0) for _ in range(v)]
-            planner = max(f * act + sum(grads[c] for c in g) + sum(params[c] for c in p)
-                          for f, g, p in points)
+            # None: every stage's live with the most forwards in flight
+            every_live = inflight(view, n, v, rank) * act + sum(grads) + sum(params)
+            planner = every_live if points is None else max(
+                f * act + sum(grads[c] for c in g) + sum(params[c] for c in p)
+                for f, g, p in points)
             played = _staged_play(order[rank], n, pp, rank, act, grads, params)
             assert planner == pytest.approx(played), (rank, points)
-            # and never more than every stage's live with the most forwards in flight
-            assert planner <= inflight(view, n, v, rank) * act + sum(grads) + sum(params) + 1e-9
+            assert planner <= every_live + 1e-9
+    # one round (GPipe's order, or no more micro-batches than ranks): fewer stages at the peak
+    assert staged == pp or (schedule != "looped_bfs" and n >= 2 * pp)
 
 
 def test_schedules_without_a_known_order_of_reductions_keep_every_stage_live():
@@ -190,9 +195,9 @@ def test_schedules_without_a_known_order_of_reductions_keep_every_stage_live():
     for schedule in ("v_schedule", "1f1b", "gpipe"):
         view, v = _view(schedule, 4, 8, 1.0)
         assert staged_peaks(view, 8, v) is None, schedule
-    view, v = _view("interleaved_1f1b", 4, 8, 1.0)
+    view, v = _view("interleaved_1f1b", 4, 4, 1.0)
     meta = attrs.evolve(view, pipeline=attrs.evolve(view.pipeline, reduce_after_backward=False))
-    assert staged_peaks(view, 8, v) is not None and staged_peaks(meta, 8, v) is None
+    assert staged_peaks(view, 4, v) is not None and staged_peaks(meta, 4, v) is None
 
 
 def test_the_play_finds_a_bubble_the_formula_would_miss():

@@ -388,8 +388,9 @@ def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
     GPipe's order) a rank never holds two stages' gradients, and the first stage's backwards
     find fewer forwards in flight. A split backward (zero bubble) frees a micro-batch's
     activations and adds to its stage's gradients in the weight pass, which runs in the same
-    order. None where the planner prices every stage's as live at the peak: one stage a rank,
-    or a V (over: the safe side)."""
+    order. None where every stage's are live at the peak: several rounds whose steady state
+    reaches the first stage's backwards, one stage a rank, or a V (where the planner does not
+    follow the order: over, the safe side)."""
     pipe = v.pipeline
     if (v.pp <= 1 or chunks <= 1 or pipe is None or pipe.v_shape
             or not pipe.reduce_after_backward):
@@ -412,6 +413,9 @@ def _staged_peaks(n_micro: int, chunks: int, peak: float, rounds: int, split: bo
     m = n_micro // rounds
     first = [(chunks - 1 - c) * m for c in range(chunks)]
     last = [(rounds - 1) * chunks * m + f + m - 1 for f in first]
+    if rounds > 1 and (min(peak, every - first[0]) if split
+                       else min(every, peak + first[0]) - first[0]) >= peak:
+        return None  # every stage live while the most forwards are in flight
     points = sorted({*first, *(k + 1 for k in last if k + 1 < every)})
     return tuple((min(peak, every - k) if split else min(every, peak + k) - k,
                   frozenset(c for c in range(chunks) if first[c] <= k <= last[c]),
