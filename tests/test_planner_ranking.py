@@ -1,6 +1,7 @@
 """``plan --auto`` against published sweeps: where a source measured several layouts of one
 model on one cluster, the layout it measured fastest should be among the first three the search
-ranks (the search also proposes layouts nobody measured, so first place is not asked for).
+ranks (the search also proposes layouts nobody measured, so first place is not asked for),
+and again among only the plugins that source ran (the layouts its authors chose between).
 Each case names its source (``shardgraph/planner/published.toml`` cites them); the misses are
 kept as strict expected failures that say why, so that fixing one shows. Megatron-LM 2021's
 sweeps (Figures 12-16, GPT on A100 under that paper's own software) are checked among their
@@ -115,18 +116,61 @@ def test_torchtitan_8b_fsdp_on_8_gpus():
     assert any("cp" not in s and "tp" not in s and "pp" not in s for s in top3), top3
 
 
-def test_selective_checkpointing_is_searched_and_wins_where_torchtitan_used_it():
-    """torchtitan Table 1 (Llama 3.1 8B, 8 H100 of 96 GB, local batch 2, FSDP): among the
-    plugins of that sweep (fsdp2, activation checkpointing, mixed precision) no checkpointing
-    does not fit, and selective checkpointing (measured 82.4 GiB) beats full: the search
-    offers the checkpointing plugin's selective mode and ranks it first."""
+def _among(*plugins: str):
+    """The registry of the plugins a source's sweep ran (the search proposes nothing else)."""
     from shardgraph.plugins import Registry
     from shardgraph.plugins.builtin import builtin_registry
 
     full = builtin_registry()
     registry = Registry()
-    for name in ("fsdp2", "activation_checkpointing", "mixed_precision"):
+    for name in plugins:
         registry.register(full.get(name))
+    return registry
+
+
+_4D = ("fsdp2", "tp", "sp", "pp", "activation_checkpointing", "mixed_precision")
+
+
+def test_torchtitan_70b_among_the_plugins_it_ran():
+    """torchtitan Table 4 (70B, 256 H100 of 96 GB, local batch 16): among fsdp2, tp, sp,
+    checkpointing and mixed precision (no pp, no cp), its FSDP 32 x TP 8 with full
+    checkpointing is in the first three (second, behind tp 4 at micro-batch 1)."""
+    result = autoplan(_pipeline("70B", 512, 8192, hbm_gib=96), 256, top=10,
+                      registry=_among("fsdp2", "tp", "sp", "activation_checkpointing",
+                                      "mixed_precision"))
+    place = _rank(result, "fsdp2", "tp 8 + sp", "ac")
+    assert place is not None and place <= 3, [r["summary"] for r in result["candidates"]]
+
+
+def test_llama3_405b_among_the_plugins_of_its_table():
+    """The Llama 3 paper's Table 4 (405B on 8,192 H100, 16M tokens a batch, 8K tokens: TP 8,
+    PP 16, no cp): among fsdp2, tp, sp, pp, checkpointing and mixed precision its layout ranks
+    first (interleaved 1F1B as torch runs it)."""
+    result = autoplan(_pipeline("405B", 2048, 8192), 8192, top=10, registry=_among(*_4D))
+    place = _rank(result, "tp 8 + sp", "pp 16 interleaved_1f1b")
+    assert place is not None and place <= 3, [r["summary"] for r in result["candidates"]]
+
+
+@pytest.mark.xfail(strict=True, reason="ranked #4: among the plugins of torchtitan's 4D runs, "
+                   "fsdp2 256 x tp 2 + sp with full checkpointing and no pipeline is predicted "
+                   "12% faster (27.6 s a step against 31.2: a node's four NICs carry its "
+                   "gathers, 3.9 s of them exposed, where tp 8 exposes 3.0 s and the pipeline "
+                   "a 3.0 s bubble; nobody measured it), and pp 16 interleaved 0.1% ahead of "
+                   "the measured pp 8")
+def test_torchtitan_405b_among_the_plugins_it_ran():
+    """torchtitan Table 5 (405B, 512 H100 of 96 GB): FSDP 8 x TP 8 x PP 8 interleaved."""
+    result = autoplan(_pipeline("405B", 256, 8192, hbm_gib=96), 512, top=10,
+                      registry=_among(*_4D))
+    place = _rank(result, "tp 8 + sp", "pp 8 interleaved_1f1b")
+    assert place is not None and place <= 3, [r["summary"] for r in result["candidates"]]
+
+
+def test_selective_checkpointing_is_searched_and_wins_where_torchtitan_used_it():
+    """torchtitan Table 1 (Llama 3.1 8B, 8 H100 of 96 GB, local batch 2, FSDP): among the
+    plugins of that sweep (fsdp2, activation checkpointing, mixed precision) no checkpointing
+    does not fit, and selective checkpointing (measured 82.4 GiB) beats full: the search
+    offers the checkpointing plugin's selective mode and ranks it first."""
+    registry = _among("fsdp2", "activation_checkpointing", "mixed_precision")
     result = autoplan(_pipeline("8B", 16, 8192, hbm_gib=96), 8, top=10, registry=registry)
     summaries = [r["summary"] for r in result["candidates"]]
     assert summaries[0].startswith("fsdp2, selective ac"), summaries
