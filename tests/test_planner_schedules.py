@@ -124,25 +124,33 @@ def test_bubble_and_peak_activations_are_torchs(schedule, pp, n, recompute):
 
 
 def _staged_play(actions, n: int, pp: int, rank: int, act: float, grads, params) -> float:
-    """Rank ``rank``'s peak at the start of each backward in torch's order with the
-    ``REDUCE_GRAD`` actions torch's runtime adds (``_add_reduce_grad``: after each stage's last
-    backward): a chunk's activations per forward in flight (until its whole backward, or its
-    weight pass when split), a stage's gradients from its first whole backward or weight pass
-    and its gathered parameters from its first forward, both until its reduction."""
-    ops = [a for a in S._add_reduce_grad(list(actions), n) if a is not None]
+    """Rank ``rank``'s peak at the start of each backward in torch's order as its runtime
+    lowers it for fsdp (``_add_unshard_reshard``: a stage's parameters gathered ahead of its
+    use, at most three stages at a time; ``_add_reduce_grad``: each stage's gradients reduced
+    after its last backward, which reshards its parameters too): a chunk's activations per
+    forward in flight (until its whole backward, or its weight pass when split), a stage's
+    gradients from its first whole backward or weight pass until its reduction, its gathered
+    parameters from its UNSHARD to its RESHARD or reduction."""
+    lowered = S._add_reduce_grad(S._add_unshard_reshard(list(actions)), n)
     in_flight, peak = 0, 0.0
     grads_live, params_live = set(), set()
-    for a in ops:
+    for a in (a for a in lowered if a is not None):
         c = (a.stage_index - rank) // pp  # the looped placement: rank r holds r, r + pp, ...
-        if a.computation_type == C.FORWARD:
+        kind = a.computation_type
+        if kind in (C.FORWARD, C.FULL_BACKWARD, C.BACKWARD_INPUT, C.BACKWARD_WEIGHT):
+            assert c in params_live  # the runtime gathered it first
+        if kind == C.FORWARD:
             in_flight += 1
-            params_live.add(c)
-        elif a.computation_type in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
+        elif kind in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
             grads_live.add(c)
             peak = max(peak, in_flight * act + sum(grads[i] for i in grads_live)
                        + sum(params[i] for i in params_live))
             in_flight -= 1
-        elif a.computation_type == C.REDUCE_GRAD:
+        elif kind == C.UNSHARD:
+            params_live.add(c)
+        elif kind == C.RESHARD:
+            params_live.discard(c)
+        elif kind == C.REDUCE_GRAD:
             grads_live.discard(c)
             params_live.discard(c)
     return peak
@@ -151,20 +159,26 @@ def _staged_play(actions, n: int, pp: int, rank: int, act: float, grads, params)
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "zero_bubble"])
 @pytest.mark.parametrize("pp,n", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 8), (8, 10), (8, 12),
                                   (8, 32), (4, 5)])
+@pytest.mark.parametrize("per_rank", [2, 3, 4])
 def test_each_stage_frees_its_gradients_after_its_last_backward_as_torch_orders_it(
-        schedule, pp, n):
+        schedule, pp, n, per_rank):
     """torch's runtime reduces a stage's deferred gradients (and reshards its parameters)
     right after that stage's last backward, so under a looped schedule of one round (as many
     micro-batches as ranks: torchtitan's default) a rank holds one stage's gradients at a
     time, and its first stage's backwards find fewer forwards in flight. The points
     ``staged_peaks`` names give every rank's peak as torch's own tables play it out, for any
     sizes of a chunk's activations and of each stage's gradients and parameters, a whole
-    backward's or a split one's (zero bubble: its weight passes free the activations)."""
+    backward's or a split one's (zero bubble: its weight passes free the activations), with
+    up to three stages a rank. With more, the runtime keeps at most three stages' parameters
+    gathered, which the planner does not follow: never under, then."""
     import random
 
     from shardgraph.planner.memory import staged_peaks
 
-    view, v = _view(schedule, pp, n, 0.0 if schedule == "zero_bubble" else 1.0)
+    view, _ = _view(schedule, pp, n, 0.0 if schedule == "zero_bubble" else 1.0)
+    v = per_rank
+    view = attrs.evolve(view, stages_per_rank=v,
+                        pipeline=attrs.evolve(view.pipeline, stages_per_rank=v))
     order = _torch_order(view.schedule, pp, v, n)
     rng = random.Random(pp * 100 + n)
     staged = 0
@@ -181,7 +195,10 @@ def test_each_stage_frees_its_gradients_after_its_last_backward_as_torch_orders_
                 f * act + sum(grads[c] for c in g) + sum(params[c] for c in p)
                 for f, g, p in points)
             played = _staged_play(order[rank], n, pp, rank, act, grads, params)
-            assert planner == pytest.approx(played), (rank, points)
+            if v <= 3:
+                assert planner == pytest.approx(played), (rank, points)
+            else:
+                assert planner >= played - 1e-9, (rank, points)
             assert planner <= every_live + 1e-9
     # one round (GPipe's order, or no more micro-batches than ranks): fewer stages at the peak
     assert staged == pp or (schedule != "looped_bfs" and n >= 2 * pp)

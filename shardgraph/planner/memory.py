@@ -390,7 +390,10 @@ def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
     activations and adds to its stage's gradients in the weight pass, which runs in the same
     order. None where every stage's are live at the peak: several rounds whose steady state
     reaches the first stage's backwards, one stage a rank, or a V (where the planner does not
-    follow the order: over, the safe side)."""
+    follow the order: over, the safe side). With more than three stages a rank, torch's
+    runtime keeps at most three stages' parameters gathered (``_add_unshard_reshard``) and
+    gathers the others again when their turn comes: priced as every stage's gathered and
+    gathered once (over on memory, under on time)."""
     pipe = v.pipeline
     if (v.pp <= 1 or chunks <= 1 or pipe is None or pipe.v_shape
             or not pipe.reduce_after_backward):
