@@ -70,11 +70,11 @@ one node, -7.4% to +5.9%); held-out memory MAPE 3.1% over 16 rows (bound 10%), n
 under a measured peak (the furthest: torchtitan's 405B 1F1B of Table 5 and its 405B at 256k tokens
 with cp 8, -4.7%; bound -5%), its 405B interleaved +0.5% (measured 10 GiB under 1F1B: with one
 round of micro-batches each stage frees its gradients and parameters before the rank's other
-stage's backwards start; +19.6% priced with both stages' live), its other 4D runs +3% to +5%, its 8B long-sequence
-runs +4% to +5%, its 8B runs of Tables 1 and 3 +1.2% to +3.4% (a compiled block keeps a fitted 0.87
-of what an eager one keeps, whose RMSNorm keeps an fp32 copy of its input), its 2025 runs on H200
-+1.3% and -0.5% (their loss compiled). Run ``python -m shardgraph.planner.calibration`` for the
-full table. """
+stage's backwards start; +19.6% priced with both stages' live), its other 4D runs +3% to +5%,
+its 8B long-sequence runs +4% to +5%, its 8B runs of Tables 1 and 3 +1.2% to +3.4% (a compiled
+block keeps a fitted 0.87 of what an eager one keeps, whose RMSNorm keeps an fp32 copy of its
+input), its 2025 runs on H200 +1.3% and -0.5% (their loss compiled). Run
+``python -m shardgraph.planner.calibration`` for the full table. """
 
 from __future__ import annotations
 
@@ -85,8 +85,9 @@ from shardgraph.planner import calibration as cal
 from shardgraph.planner.cost import step_time
 from shardgraph.planner.gpus import resolve_gpu
 
-TIME_MAPE_BOUND = 0.05  # the dense models' rows: issue 21's bound (0.06 before flash attention was
-#                         priced on the GPU's ceiling, 0.065 before the early stop, 0.075 before NCCL)
+TIME_MAPE_BOUND = 0.05  # the dense models' rows: issue 21's bound (0.06 before flash attention
+#                         was priced on the GPU's ceiling, 0.065 before the early stop, 0.075
+#                         before NCCL)
 TIME_MAPE_BOUND_WITH_MOE = 0.065  # and Megatron-Bridge's four Qwen3 MoE rows (-76% to +7%)
 TIME_ROW_BOUND = 0.8  # Megatron-Bridge's Qwen3 30B-A3B on B200, -76.0%
 MEMORY_MAPE_BOUND = 0.10

@@ -53,7 +53,7 @@ from typing import Any
 import attrs
 
 from .gpus import GPU, SAME_DIE
-from .memory import (EXTRAS, held_numel, kv_width, microbatches, stage_layers,
+from .memory import (EXTRAS, held_numel, kv_width, microbatches, stage_gathers, stage_layers,
                      state_numel, trainable_share)
 from .shape import ModelShape, layer_kind
 from .view import PlanView, Setup
@@ -525,13 +525,15 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         # all-gathers per step: one per micro-batch's forward and (resharded after it) one per
         # its backward; under torch's pipeline stages none after the first forward unless
         # resharded after forward: they keep the parameters through every micro-batch's
-        # backward (``set_reshard_after_backward(False)`` but on the last)
+        # backward (``set_reshard_after_backward(False)`` but on the last), but for the
+        # stages gathered again past the runtime's limit of gathered stages (``stage_gathers``)
         if v.strategy == "sharded" and v.shards < 3:
             # whole parameters: the updated ones gathered once per step, after the optimizer
             # (below ZeRO 1, the second half of the gradients' all-reduce)
             gathers = 1
         elif v.pp > 1:
-            gathers = 1 + (n_micro if v.reshard_after_forward else 0)
+            gathers = stage_gathers(v, n_micro, n_chunks, worst) + (
+                n_micro if v.reshard_after_forward else 0)
         else:
             gathers = n_micro * (2 if v.reshard_after_forward else 1)
         # the NICs its rings use in a node, and its members there (the ring's latency)

@@ -390,18 +390,110 @@ def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
     activations and adds to its stage's gradients in the weight pass, which runs in the same
     order. None where every stage's are live at the peak: several rounds whose steady state
     reaches the first stage's backwards, one stage a rank, or a V (where the planner does not
-    follow the order: over, the safe side). With more than three stages a rank, torch's
-    runtime keeps at most three stages' parameters gathered (``_add_unshard_reshard``) and
-    gathers the others again when their turn comes: priced as every stage's gathered and
-    gathered once (over on memory, under on time)."""
+    follow the order: over, the safe side). With more than ``ACTIVE_STAGES`` stages a rank,
+    torch's runtime keeps only that many gathered (``_add_unshard_reshard``): for a whole
+    backward the order is played out (``_looped_order``), a split one keeps the bound (over),
+    and the gathers again are ``stage_gathers``'."""
     pipe = v.pipeline
     if (v.pp <= 1 or chunks <= 1 or pipe is None or pipe.v_shape
             or not pipe.reduce_after_backward):
         return None
     # the forwards in flight at the first backward (at most, for a split one); the rounds
     rounds = 1 if pipe.forward_first else max(1, n_micro // v.pp)
-    return _staged_peaks(n_micro, chunks, inflight(v, n_micro, chunks, rank), rounds,
-                         pipe.split_backward)
+    before_first = inflight(v, n_micro, chunks, rank)
+    if chunks > ACTIVE_STAGES and not pipe.split_backward:
+        return _played_peaks(n_micro, chunks, before_first, rounds)
+    return _staged_peaks(n_micro, chunks, before_first, rounds, pipe.split_backward)
+
+
+#: the stages of a rank torch's runtime keeps gathered at once under fsdp
+#: (``_add_unshard_reshard``'s ``max_active_stages``)
+ACTIVE_STAGES = 3
+
+
+def stage_gathers(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> float:
+    """How many times a step gathers each of pp rank ``rank``'s stages, on average: once, but
+    where torch's runtime keeps at most ``ACTIVE_STAGES`` of them gathered (more stages a
+    rank, parameters not resharded after forward) and gathers the others again when their
+    turn comes. A split backward's order is not followed: once (under)."""
+    pipe = v.pipeline
+    if (v.pp <= 1 or chunks <= ACTIVE_STAGES or pipe is None or pipe.v_shape
+            or pipe.split_backward or not pipe.reduce_after_backward
+            or v.strategy != "fully_shard" or v.reshard_after_forward):
+        return 1.0
+    rounds = 1 if pipe.forward_first else max(1, n_micro // v.pp)
+    order = _looped_order(n_micro, chunks, inflight(v, n_micro, chunks, rank), rounds)
+    return sum(_lowered(order, chunks)[1]) / chunks
+
+
+@functools.lru_cache(maxsize=256)
+def _looped_order(n_micro: int, chunks: int, before_first: float, rounds: int
+                  ) -> tuple[tuple[bool, int], ...]:
+    """A looped schedule's passes on one rank with whole backwards, as torch's tables order
+    them: (a forward?, its local stage). ``before_first`` forwards, then a backward and a
+    forward in turn while forwards remain, then the backwards; a round's forwards run the
+    rank's stages first to last, ``m`` micro-batches each, its backwards last to first."""
+    every = n_micro * chunks
+    m = n_micro // rounds
+    forwards = [(j % (chunks * m)) // m for j in range(every)]
+    started = min(every, int(before_first))
+    order = [(True, c) for c in forwards[:started]]
+    for k in range(every):
+        order.append((False, chunks - 1 - (k % (chunks * m)) // m))
+        if started < every:
+            order.append((True, forwards[started]))
+            started += 1
+    return tuple(order)
+
+
+@functools.lru_cache(maxsize=256)
+def _lowered(order: tuple[tuple[bool, int], ...], chunks: int
+             ) -> tuple[tuple[frozenset[int], ...], tuple[int, ...]]:
+    """torch's runtime's fsdp lowering of ``order`` (``_add_unshard_reshard``): before each
+    pass, the stages of the next ``ACTIVE_STAGES`` distinct ones not gathered are gathered and
+    the gathered ones not among them released. (The stages gathered at each pass, how many
+    times each stage is gathered.)"""
+    stages = [c for _, c in order]
+    active: set[int] = set()
+    counts = [0] * chunks
+    out = []
+    for i in range(len(stages)):
+        upcoming: list[int] = []
+        for c in stages[i:]:
+            if c not in upcoming:
+                upcoming.append(c)
+                if len(upcoming) == ACTIVE_STAGES:
+                    break
+        active &= set(upcoming)
+        for c in upcoming:
+            if c not in active:
+                active.add(c)
+                counts[c] += 1
+        out.append(frozenset(active))
+    return tuple(out), tuple(counts)
+
+
+@functools.lru_cache(maxsize=256)
+def _played_peaks(n_micro: int, chunks: int, before_first: float, rounds: int
+                  ) -> tuple[tuple[float, frozenset[int], frozenset[int]], ...]:
+    """``staged_peaks`` with more than ``ACTIVE_STAGES`` stages a rank: the order played out,
+    a point at each backward (the parameters gathered there change with the lowering)."""
+    order = _looped_order(n_micro, chunks, before_first, rounds)
+    gathered, _ = _lowered(order, chunks)
+    m = n_micro // rounds
+    first = [(chunks - 1 - c) * m for c in range(chunks)]
+    last = [(rounds - 1) * chunks * m + f + m - 1 for f in first]
+    points, in_flight, k = set(), 0, 0
+    for (forward, _), active in zip(order, gathered):
+        if forward:
+            in_flight += 1
+            continue
+        points.add((float(in_flight),
+                    frozenset(c for c in range(chunks) if first[c] <= k <= last[c]),
+                    frozenset(c for c in active if k <= last[c])))
+        in_flight -= 1
+        k += 1
+    return tuple(sorted(points, key=lambda p: (-p[0], sorted(p[1]), sorted(p[2]))))
 
 
 @functools.lru_cache(maxsize=4096)
