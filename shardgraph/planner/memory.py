@@ -406,6 +406,14 @@ def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
     return _staged_peaks(n_micro, chunks, before_first, rounds, pipe.split_backward)
 
 
+def _backward_spans(n_micro: int, chunks: int, rounds: int) -> tuple[list[int], list[int]]:
+    """The index of each local stage's first and last backward among the rank's: a round's
+    backwards run the stages last to first, ``n_micro // rounds`` micro-batches each."""
+    m = n_micro // rounds
+    first = [(chunks - 1 - c) * m for c in range(chunks)]
+    return first, [(rounds - 1) * chunks * m + f + m - 1 for f in first]
+
+
 #: the stages of a rank torch's runtime keeps gathered at once under fsdp
 #: (``_add_unshard_reshard``'s ``max_active_stages``)
 ACTIVE_STAGES = 3
@@ -480,9 +488,7 @@ def _played_peaks(n_micro: int, chunks: int, before_first: float, rounds: int
     a point at each backward (the parameters gathered there change with the lowering)."""
     order = _looped_order(n_micro, chunks, before_first, rounds)
     gathered, _ = _lowered(order, chunks)
-    m = n_micro // rounds
-    first = [(chunks - 1 - c) * m for c in range(chunks)]
-    last = [(rounds - 1) * chunks * m + f + m - 1 for f in first]
+    first, last = _backward_spans(n_micro, chunks, rounds)
     points, in_flight, k = set(), 0, 0
     for (forward, _), active in zip(order, gathered):
         if forward:
@@ -505,9 +511,7 @@ def _staged_peaks(n_micro: int, chunks: int, peak: float, rounds: int, split: bo
     trail its input passes, so a bound stands in: ``peak`` in flight, and no more than the
     forwards whose weight pass has not run (torch's tables meet it on every rank)."""
     every = n_micro * chunks
-    m = n_micro // rounds
-    first = [(chunks - 1 - c) * m for c in range(chunks)]
-    last = [(rounds - 1) * chunks * m + f + m - 1 for f in first]
+    first, last = _backward_spans(n_micro, chunks, rounds)
     if rounds > 1 and (min(peak, every - first[0]) if split
                        else min(every, peak + first[0]) - first[0]) >= peak:
         return None  # every stage live while the most forwards are in flight
