@@ -376,24 +376,26 @@ def inflight(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> float:
 
 def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
                  ) -> tuple[tuple[float, frozenset[int], frozenset[int]], ...] | None:
-    """Where pp rank ``rank``'s memory may peak when each of its stages reduces its deferred
-    gradients, and frees them and its gathered parameters, after its own last backward (torch:
-    a ``REDUCE_GRAD`` action right after each stage's last backward, then FSDP's post-backward;
-    ``PipelineCost.reduce_after_backward``): at the start of each backward where the set of
-    live stages changes, (the chunk forwards in flight, the rank's stages, by local index,
-    whose gradients are live, those whose gathered parameters are). A stage's gradients live
-    from its first backward, its parameters from its first forward, both until its last
-    backward. Under a looped schedule the backwards of a round run the rank's stages last to
-    first, ``m`` micro-batches each, so with one round (as many micro-batches as ranks, or
-    GPipe's order) a rank never holds two stages' gradients, and the first stage's backwards
-    find fewer forwards in flight. A split backward (zero bubble) frees a micro-batch's
-    activations and adds to its stage's gradients in the weight pass, which runs in the same
-    order. None where every stage's are live at the peak: several rounds whose steady state
-    reaches the first stage's backwards, one stage a rank, or a V (where the planner does not
-    follow the order: over, the safe side). With more than ``ACTIVE_STAGES`` stages a rank,
-    torch's runtime keeps only that many gathered (``_add_unshard_reshard``): for a whole
-    backward the order is played out (``_looped_order``), a split one keeps the bound (over),
-    and the gathers again are ``stage_gathers``'."""
+    """Where pp rank ``rank``'s memory may peak, when each of its stages frees its unsharded
+    gradients and gathered parameters after its own last backward: torch's runtime adds a
+    ``REDUCE_GRAD`` action there, whose FSDP post-backward reduces the gradients and reshards
+    the parameters (``PipelineCost.reduce_after_backward``).
+
+    Each point is (chunk forwards in flight, the local stages whose gradients are live, the
+    local stages whose parameters are gathered), taken at the start of a backward. A stage's
+    gradients live from its first backward (its first weight pass, when split) to its last;
+    its parameters from its first forward to its last backward.
+
+    Under a looped schedule a round's backwards run the rank's stages last to first, so with
+    one round (as many micro-batches as ranks, or GPipe's order) a rank holds one stage's
+    gradients at a time and its first stage's backwards find fewer forwards in flight. With
+    more than ``ACTIVE_STAGES`` stages a rank, the runtime keeps only that many gathered: a
+    whole backward's order is then played out (``_looped_order``, ``_lowered``); a split one's
+    keeps the bound (over).
+
+    None where every stage is live at the peak (several rounds whose steady state reaches the
+    first stage's backwards, one stage a rank) or where the planner does not follow the order
+    (a V: over, the safe side)."""
     pipe = v.pipeline
     if (v.pp <= 1 or chunks <= 1 or pipe is None or pipe.v_shape
             or not pipe.reduce_after_backward):
