@@ -529,7 +529,9 @@ def test_each_stage_frees_its_gradients_after_its_last_backward(world4):
         pp_rank = r["staged_memory"]["pp_rank"]
         grows = predicted[8][pp_rank] - predicted[4][pp_rank]
         assert grows > 0.9 * stage_grads, (rank, grows, stage_grads)
-        assert 0.6 * grows < measured < 1.2 * grows, (rank, measured, grows)
+        # at least half of it: a second lingering reduce-scatter input on the one-round
+        # side would take 2.5 MiB off pp rank 1's 7.7, which stays above 0.5 x 10.1
+        assert 0.5 * grows < measured < 1.2 * grows, (rank, measured, grows)
 
 
 @pytest.mark.parametrize("lbs", [None, 8])
