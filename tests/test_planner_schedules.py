@@ -231,6 +231,44 @@ def test_the_planners_order_and_gathers_are_torchs(schedule, pp, n, per_rank):
         assert (unshards == v) == (v <= 3 or n == 1)
 
 
+def test_stages_gathered_again_are_priced_in_fsdps_all_gathers(monkeypatch):
+    """A 40-block Llama on pp 4 x fsdp2 16 with 4 stages a rank (one round of 4 micro-batches):
+    torch's runtime gathers each stage 1.25 times a step, and the all-gathers priced for the
+    step grow with it; the memory falls (three stages gathered at once, not four)."""
+    from shardgraph.planner import cost, predict
+    from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.gpus import resolve_gpu
+    from shardgraph.planner.memory import microbatches, stage_gathers
+    from shardgraph.planner.shape import model_shape
+    from shardgraph.planner.view import plan_view
+    from shardgraph.train.config import loads_pipeline
+    from shardgraph.train.loop import compile_for
+
+    def priced(per_rank: int):
+        pipeline = loads_pipeline(
+            '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nvocab_size = 128256\n'
+            'hidden_size = 4096\nintermediate_size = 14336\nnum_hidden_layers = 40\n'
+            'num_attention_heads = 32\nnum_key_value_heads = 8\n[data]\nseq_len = 8192\n'
+            '[train]\nglobal_batch_size = 64\n[plugins.pp]\nsize = 4\n'
+            f'schedule = "interleaved_1f1b"\nstages_per_rank = {per_rank}\n[plugins.fsdp2]\n'
+            '[plugins.activation_checkpointing]\n[plugins.mixed_precision]\n')
+        return (model_shape(pipeline.model), plan_view(compile_for(pipeline, 64)),
+                predict.setup_of(pipeline))
+
+    shape, v, setup = priced(4)
+    n = microbatches(v, setup)[1]
+    assert n == 4 and stage_gathers(v, n, 4, 0) == pytest.approx(1.25)
+    assert stage_gathers(priced(2)[1], n, 2, 0) == 1.0
+    gpu, eff = resolve_gpu("H100-SXM"), FITTED
+    gathered = cost.step_time(shape, v, setup, gpu, eff)["breakdown_s"]["exposed_comm"]
+    monkeypatch.setattr(cost, "stage_gathers", lambda *a: 1.0)
+    once = cost.step_time(shape, v, setup, gpu, eff)["breakdown_s"]["exposed_comm"]
+    assert gathered["dp_shard"] > once["dp_shard"]
+    every_stage = attrs.evolve(v, pipeline=attrs.evolve(v.pipeline, reduce_after_backward=False))
+    assert predict.memory_of(shape, v, setup)[0]["buffers"] < predict.memory_of(
+        shape, every_stage, setup)[0]["buffers"]
+
+
 def test_schedules_without_a_known_order_of_reductions_keep_every_stage_live():
     """A V, one stage a rank or a stack whose reductions are not torch's stages' are priced
     with every stage's gradients live at the peak (over)."""
