@@ -14,6 +14,7 @@ import copy
 import os
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -292,8 +293,6 @@ class _PeakBytes(torch.utils._python_dispatch.TorchDispatchMode):
         self._seen.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
@@ -311,7 +310,8 @@ class _PeakBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-#: a model whose blocks' weights outweigh its activations: 8 blocks of hidden 512 (2 a stage)
+#: a model whose blocks' weights outweigh its activations: 16 blocks of hidden 256 (4 a stage
+#: under pp 2 with 2 stages a rank)
 _WIDE = dict(layers=16, hidden_size=256, intermediate_size=512, num_attention_heads=4,
              num_key_value_heads=4)
 
@@ -510,18 +510,22 @@ def test_each_stage_frees_its_gradients_after_its_last_backward(world4):
     from shardgraph.train.config import loads_pipeline
     from shardgraph.train.loop import compile_for
 
+    from tests.models import SEQ, VOCAB
+
+    config = {"num_hidden_layers" if k == "layers" else k: v for k, v in _WIDE.items()}
     predicted = {}
     for global_batch in (4, 8):
         pipeline = loads_pipeline(
-            '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nvocab_size = 128\n'
-            'hidden_size = 256\nintermediate_size = 512\nnum_hidden_layers = 16\n'
-            'num_attention_heads = 4\nnum_key_value_heads = 4\n[data]\nseq_len = 8\n'
-            f'[train]\nglobal_batch_size = {global_batch}\noptimizer = "sgd"\n'
-            '[plugins.pp]\nsize = 2\nschedule = "interleaved_1f1b"\n[plugins.fsdp2]\n')
+            '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\n'
+            + "".join(f"{k} = {v}\n" for k, v in {"vocab_size": VOCAB, **config}.items())
+            + f'[data]\nseq_len = {SEQ}\n[train]\nglobal_batch_size = {global_batch}\n'
+            'optimizer = "sgd"\n[plugins.pp]\nsize = 2\nschedule = "interleaved_1f1b"\n'
+            '[plugins.fsdp2]\n')
         ranks = rank_memory(model_shape(pipeline.model), plan_view(compile_for(pipeline, 4)),
                             setup_of(pipeline))
         predicted[global_batch] = [r["activations"] + r["buffers"] for r in ranks]
-    stage_grads = 4 * (4 * 256 * 256 + 3 * 256 * 512) * 4  # a stage's 4 blocks in fp32
+    h, f = _WIDE["hidden_size"], _WIDE["intermediate_size"]
+    stage_grads = _WIDE["layers"] // 4 * (4 * h * h + 3 * h * f) * 4  # a stage's blocks, fp32
     assert sorted(r["staged_memory"]["pp_rank"] for r in world4) == [0, 0, 1, 1]
     for rank, r in enumerate(world4):
         peaks = r["staged_memory"]["peaks"]

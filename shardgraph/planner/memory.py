@@ -400,12 +400,18 @@ def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
     if (v.pp <= 1 or chunks <= 1 or pipe is None or pipe.v_shape
             or not pipe.reduce_after_backward):
         return None
-    # the forwards in flight at the first backward (at most, for a split one); the rounds
-    rounds = 1 if pipe.forward_first else max(1, n_micro // v.pp)
+    # the forwards in flight at the first backward (at most, for a split one)
+    rounds = _rounds(v, n_micro)
     before_first = inflight(v, n_micro, chunks, rank)
     if chunks > ACTIVE_STAGES and not pipe.split_backward:
         return _played_peaks(n_micro, chunks, before_first, rounds)
     return _staged_peaks(n_micro, chunks, before_first, rounds, pipe.split_backward)
+
+
+def _rounds(v: PlanView, n_micro: int) -> int:
+    """The rounds a looped schedule runs its micro-batches in (torch's ``number_of_rounds``;
+    GPipe's order is one)."""
+    return 1 if v.pipeline is not None and v.pipeline.forward_first else max(1, n_micro // v.pp)
 
 
 def _backward_spans(n_micro: int, chunks: int, rounds: int) -> tuple[list[int], list[int]]:
@@ -431,8 +437,8 @@ def stage_gathers(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> floa
             or pipe.split_backward or not pipe.reduce_after_backward
             or v.strategy != "fully_shard" or v.reshard_after_forward):
         return 1.0
-    rounds = 1 if pipe.forward_first else max(1, n_micro // v.pp)
-    order = _looped_order(n_micro, chunks, inflight(v, n_micro, chunks, rank), rounds)
+    order = _looped_order(n_micro, chunks, inflight(v, n_micro, chunks, rank),
+                          _rounds(v, n_micro))
     return sum(_lowered(order, chunks)[1]) / chunks
 
 
