@@ -19,7 +19,7 @@ class Settings:
     micro_batch_size: int | None = None
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class MeshLayout:
     """Sizes of every axis. ``dp = dp_replicate * dp_shard``; ``ep_shard = dp * cp / ep``.
 

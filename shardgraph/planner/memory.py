@@ -53,6 +53,12 @@ class Held:
         return sum(n for k, n in self.kinds if k not in EXTRAS)
 
 
+@functools.cache
+def _held(kinds: tuple[tuple[str, int], ...]) -> Held:
+    """One ``Held`` for each holding: the caches keyed on it then find theirs by identity."""
+    return Held(kinds)
+
+
 def stage_layers(shape: ModelShape, v: PlanView) -> list[tuple[Held, int]]:
     """For each pp rank: (what it holds, its stage count)."""
     pipe = v.pipeline
@@ -78,7 +84,7 @@ def _stage_layers(shape: ModelShape, pp: int, per_rank: int, v_shape: bool,
         held: collections.Counter = collections.Counter()
         for h in stages:
             held.update(dict(h.kinds))
-        out.append((Held(tuple(sorted(held.items()))), len(stages)))
+        out.append((_held(tuple(sorted(held.items()))), len(stages)))
     return out
 
 
@@ -106,7 +112,7 @@ def _stage_holdings(shape: ModelShape, pp: int, per_rank: int, v_shape: bool,
         if s == n_stages - 1 and shape.tied and rank_of(s) != rank_of(0):
             held.update(["tied"])  # the last stage's copy of the tied embedding
         ranks[rank_of(s)].append(held)
-    return [[Held(tuple(sorted(c.items()))) for c in stages] for stages in ranks]
+    return [[_held(tuple(sorted(c.items()))) for c in stages] for stages in ranks]
 
 
 def _chunk(n: int, parts: int) -> int:
@@ -193,7 +199,13 @@ def state_numel(shape: ModelShape, held: Held, v: PlanView) -> tuple[int, int, i
 
 def state_bytes(shape: ModelShape, v: PlanView, setup: Setup) -> list[dict[str, int]]:
     """params / grads / optimizer bytes on each pp rank (rank 0 of its other groups)."""
-    return [dict(r) for r in _state_bytes(shape, v, setup.optimizer_states)]
+    return [dict(r) for r in state_rows(shape, v, setup)]
+
+
+def state_rows(shape: ModelShape, v: PlanView, setup: Setup) -> tuple[dict[str, int], ...]:
+    """``state_bytes`` as the cache holds it: shared, not to be changed (the search reads it
+    for every plan it prices)."""
+    return _state_bytes(shape, v, setup.optimizer_states)
 
 
 @functools.lru_cache(maxsize=4096)  # the same for every micro-batch size the search tries
@@ -359,19 +371,30 @@ def inflight(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> float:
     ``tests/test_planner_schedules.py`` counts the same on torch's own action tables, rank by
     rank.
     """
+    return inflights(v, n_micro, chunks)[rank]
+
+
+def inflights(v: PlanView, n_micro: int, chunks: int) -> tuple[float, ...]:
+    """``inflight`` of every pp rank, in rank order."""
     pipe = v.pipeline
-    pp = max(v.pp, 1)
+    return _inflights(max(v.pp, 1), n_micro, chunks, pipe is not None and pipe.forward_first,
+                      pipe is not None and pipe.v_shape, pipe is not None and pipe.split_backward)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inflights(pp: int, n_micro: int, chunks: int, forward_first: bool, v_shape: bool,
+               split: bool) -> tuple[float, ...]:
     every = n_micro * chunks
-    if pipe is not None and pipe.forward_first:
-        return float(every)
-    if pipe is not None and pipe.v_shape:
-        return float(min(every, chunks * pp, n_micro + 1 + rank))
+    if forward_first:
+        return (float(every),) * pp
+    if v_shape:
+        return tuple(float(min(every, chunks * pp, n_micro + 1 + r)) for r in range(pp))
     if chunks == 1:
-        return float(min(n_micro, pp - rank))
+        return tuple(float(min(n_micro, pp - r)) for r in range(pp))
     m = n_micro // max(1, n_micro // pp)
-    if pipe is not None and pipe.split_backward:
-        return float(min(every, (chunks - 1) * m + pp))
-    return float(min(every, (chunks - 1) * m + 2 * (pp - 1 - rank) + 1))
+    if split:
+        return (float(min(every, (chunks - 1) * m + pp)),) * pp
+    return tuple(float(min(every, (chunks - 1) * m + 2 * (pp - 1 - r) + 1)) for r in range(pp))
 
 
 def staged_peaks(v: PlanView, n_micro: int, chunks: int, rank: int = 0
@@ -630,7 +653,7 @@ def buffer_parts(shape: ModelShape, v: PlanView, setup: Setup, held: Held,
     if v.strategy not in ("fully_shard", "sharded"):
         return received, 0.0, 0.0
     dense = held_numel(shape, held, v, False if v.ep > 1 else None, unsharded=True)
-    block = held_numel(shape, Held(((layer_kind(shape, 0), 1),)), v, unsharded=True)
+    block = held_numel(shape, _held(((layer_kind(shape, 0), 1),)), v, unsharded=True)
     reduce = v.reduce_bytes or shape.param_bytes
     params = dense * dtype if not v.reshard_after_forward else 2 * block * dtype
     if v.strategy == "sharded" and v.shards < 3:

@@ -12,8 +12,8 @@ from ..core.errors import PlanError, Violation
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
-from .memory import (FUSED_SAVES, activation_parts, buffer_parts, held_activations,
-                     microbatches, stage_holdings, stage_layers, staged_peaks, state_bytes)
+from .memory import (FUSED_SAVES, activation_parts, buffer_parts, inflights,
+                     microbatches, stage_holdings, stage_layers, staged_peaks, state_rows)
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, plan_view
 
@@ -95,9 +95,9 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup,
               fused_saves: float = FUSED_SAVES) -> tuple[dict[str, int], int]:
     """The worst pp rank's memory (bytes by kind, and ``total``) and that rank's index
     (``fused_saves``: what a compiled block keeps, for the calibration to try others)."""
-    ranks = rank_memory(shape, v, setup, fused_saves)
-    worst = worst_rank(ranks)
-    return ranks[worst], worst
+    ranks = _rank_memory(shape, v, setup, fused_saves)
+    worst = _worst(ranks)
+    return dict(zip(KINDS, ranks[worst])), worst
 
 
 def worst_rank(ranks: list[dict[str, int]]) -> int:
@@ -105,32 +105,46 @@ def worst_rank(ranks: list[dict[str, int]]) -> int:
     return max(range(len(ranks)), key=lambda i: ranks[i]["total"])
 
 
+def _worst(ranks: tuple[tuple[int, ...], ...]) -> int:
+    return max(range(len(ranks)), key=lambda i: ranks[i][-1])
+
+
 def rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
                 fused_saves: float = FUSED_SAVES) -> list[dict[str, int]]:
     """Each pp rank's memory, bytes by kind and ``total`` (rank 0 of its other groups)."""
-    return [dict(r) for r in _rank_memory(shape, v, setup, fused_saves)]
+    return [dict(zip(KINDS, r)) for r in _rank_memory(shape, v, setup, fused_saves)]
+
+
+#: a rank's memory by kind, in the order of ``_rank_memory``'s rows
+KINDS = ("params", "grads", "optimizer", "activations", "buffers", "reserve", "total")
 
 
 @functools.lru_cache(maxsize=4096)  # the search asks whether a plan fits, then prices it
 def _rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
-                 fused_saves: float) -> tuple[dict[str, int], ...]:
+                 fused_saves: float) -> tuple[tuple[int, ...], ...]:
+    """Each pp rank's row of ``KINDS`` (tuples: the search reads thousands)."""
     act_dtype = v.compute_bytes or shape.param_bytes
-    states = state_bytes(shape, v, setup)
     out, seen, stage_seen = [], {}, {}
     n_micro = microbatches(v, setup)[1]
     offloaded = v.cpu_offload
     staged = v.strategy == "fully_shard" and v.pp > 1
     holdings = stage_holdings(shape, v) if staged else None
-    for rank, ((held, chunks), st) in enumerate(zip(stage_layers(shape, v), states)):
-        if (held, chunks) not in seen:  # ranks that hold alike are priced once
-            seen[held, chunks] = (activation_parts(shape, v, setup, held, chunks, act_dtype,
-                                                   fused_saves),
-                                  buffer_parts(shape, v, setup, held, act_dtype, chunks))
-        parts, (received, params, grads) = seen[held, chunks]
-        # the rank's own micro-batches in flight (rank r of 1F1B: pp - r)
-        act = held_activations(parts, v, n_micro, chunks, rank)
+    scale, declared = v.activation_scale, v.memory_bytes
+    for rank, ((held, chunks), st) in enumerate(zip(stage_layers(shape, v),
+                                                    state_rows(shape, v, setup))):
+        found = seen.get((held, chunks))
+        if found is None:  # ranks that hold alike are priced once
+            found = seen[held, chunks] = (
+                activation_parts(shape, v, setup, held, chunks, act_dtype, fused_saves),
+                buffer_parts(shape, v, setup, held, act_dtype, chunks),
+                inflights(v, n_micro, max(chunks, 1)) if v.pp > 1 else None)
+        parts, (received, params, grads), in_flight = found
+        # the rank's own micro-batches in flight (rank r of 1F1B: pp - r); ``held_activations``
+        per_micro_batch, fixed = parts
+        act = (per_micro_batch * in_flight[rank] / max(chunks, 1) if in_flight
+               else per_micro_batch) + fixed
         buffers = received + params + grads
-        points = staged_peaks(v, n_micro, chunks, rank) if staged else None
+        points = staged_peaks(v, n_micro, chunks, rank) if staged and chunks > 1 else None
         if points:  # each stage frees its gradients and parameters after its last backward
             for h in holdings[rank]:
                 if h not in stage_seen:
@@ -141,14 +155,10 @@ def _rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
             act, buffers = _staged_peak([stage_seen[h] for h in holdings[rank]], parts,
                                         points, always)
         # what the steps declare: a scale on activations, bytes on every rank
-        act, buffers = act * v.activation_scale, buffers + v.memory_bytes
-        memory = {"params": 0 if offloaded else st["params"],
-                  "grads": 0 if offloaded else st["grads"],
-                  "optimizer": 0 if offloaded else st["optimizer"],
-                  "activations": int(act), "buffers": int(buffers),
-                  "reserve": int(ALLOCATOR_RESERVE * (act + buffers))}
-        memory["total"] = sum(memory.values())
-        out.append(memory)
+        act, buffers = act * scale, buffers + declared
+        states = (0, 0, 0) if offloaded else (st["params"], st["grads"], st["optimizer"])
+        row = (*states, int(act), int(buffers), int(ALLOCATOR_RESERVE * (act + buffers)))
+        out.append((*row, sum(row)))
     return tuple(out)
 
 
@@ -168,16 +178,17 @@ def _staged_peak(stages: list[tuple[float, float]], parts: tuple[float, float], 
 
 
 def fits(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU) -> bool:
-    return memory_of(shape, v, setup)[0]["total"] <= USABLE_HBM * gpu.hbm_bytes
+    return max(r[-1] for r in _rank_memory(shape, v, setup, FUSED_SAVES)) <= \
+        USABLE_HBM * gpu.hbm_bytes
 
 
 def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
              eff: Efficiency | None = None) -> dict[str, Any]:
     """The estimate of one plan view (no checks): the worst pp rank's memory and the step."""
     eff = eff or Efficiency()
-    ranks = rank_memory(shape, v, setup)
-    worst = worst_rank(ranks)
-    memory = ranks[worst]
+    ranks = _rank_memory(shape, v, setup, FUSED_SAVES)
+    worst = _worst(ranks)
+    memory = dict(zip(KINDS, ranks[worst]))
     offloaded = v.cpu_offload
     timing = step_time(shape, v, setup, gpu, eff)
     t = timing["step_time_s"]
@@ -187,7 +198,7 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     return {
         "memory_bytes_per_rank": memory,
         "worst_pp_rank": worst,
-        "memory_bytes_per_pp_rank": [r["total"] for r in ranks],
+        "memory_bytes_per_pp_rank": [r[-1] for r in ranks],
         "step_time_s": t,
         "breakdown_s": timing["breakdown_s"],
         "tokens_per_s_per_gpu": tokens / t / v.world,

@@ -183,15 +183,24 @@ def step_costs(plan) -> tuple[list[Cost], list[str]]:
 def fold(costs: list[Cost]) -> Cost:
     """One record for the plan: each field from the step that sets it (comms add up, role sets
     join)."""
+    return _fold([(c, changed(c)) for c in costs])
+
+
+def changed(cost: Cost) -> tuple[tuple[str, Any], ...]:
+    """The fields of ``cost`` that differ from ``Cost()``'s, but ``comms``."""
+    return tuple((name, value) for name, default in _cost_defaults()
+                 if (value := getattr(cost, name)) != default)
+
+
+def _fold(costs: list[tuple[Cost, tuple[tuple[str, Any], ...]]]) -> Cost:
     out: dict[str, Any] = {}
     comms: list[Comm] = []
-    for c in costs:
+    joined = _joined()
+    for c, fields in costs:
         comms.extend(c.comms)
-        for name, default in _cost_defaults():
-            value = getattr(c, name)
-            if value != default:
-                out[name] = tuple(dict.fromkeys(out.get(name, ()) + value)) \
-                    if isinstance(default, tuple) else value
+        for name, value in fields:
+            out[name] = tuple(dict.fromkeys(out.get(name, ()) + value)) \
+                if name in joined else value
     return Cost(**{**out, "comms": tuple(comms)})
 
 
@@ -201,6 +210,12 @@ def _cost_defaults() -> tuple[tuple[str, Any], ...]:
     defaults = Cost()
     return tuple((f.name, getattr(defaults, f.name)) for f in attrs.fields(Cost)
                  if f.name != "comms")
+
+
+@functools.cache
+def _joined() -> frozenset[str]:
+    """The fields whose values join (tuples: role sets) rather than replace."""
+    return frozenset(name for name, default in _cost_defaults() if isinstance(default, tuple))
 
 
 def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
@@ -264,12 +279,12 @@ def declared(registry, plugins: dict[str, dict[str, Any]], layout,
             if plugin.cost is not None:
                 built, bad = structure_options(plugin.options, options, str, name)
                 value = None if bad else plugin.cost(built, layout)
-            cache[key] = value
+            cache[key] = None if value is None else (value, changed(value))
         if cache[key] is not None:
             costs.append(cache[key])
         elif not _layout_only(registry.get(name)):
             unpriced.append(name)
-    return fold(costs), tuple(unpriced)
+    return _fold(costs), tuple(unpriced)
 
 
 def _layout_only(plugin) -> bool:
