@@ -330,9 +330,14 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     counts = {"layouts": 0, "estimated": 0, "fit": 0, "compiled": 0, "refused": 0}
     scored: list[tuple[float, float, Candidate, dict[str, Any]]] = []
 
+    setups: dict[int | None, Setup] = {}
+
     def setup_for(c: Candidate) -> Setup:
         # train.micro_batch_size is the candidate's, except under pp (its own microbatches)
-        return attrs.evolve(setup, micro_batch=c.micro_batch if c.pp == 1 else None)
+        m = c.micro_batch if c.pp == 1 else None
+        if m not in setups:
+            setups[m] = attrs.evolve(setup, micro_batch=m)
+        return setups[m]
 
     def score(c: Candidate) -> dict[str, Any] | None:
         counts["estimated"] += 1
