@@ -62,8 +62,9 @@ COMMANDS: dict[str, Command] = {
 }
 
 DESCRIPTION = """\
-Describe how a PyTorch model is parallelised (fsdp2, ddp, hsdp, tp, sp, pp, cp, ep, activation
-checkpointing, mixed precision) in a pipeline file; check it, see it, size it, and train with it.
+Describe how a PyTorch model is parallelised (fsdp2, megatron_fsdp, ddp, hsdp, tp, sp, pp, cp,
+ep) and trained (activation checkpointing, mixed precision, compile, float8, a chunked loss,
+LoRA) in a pipeline file; check it, see it, size it, and train with it.
 """
 EPILOG = """\
 `shardgraph train` with no file is a first run. `shardgraph COMMAND --help` shows a command's
