@@ -162,3 +162,25 @@ def test_plugins_shows_every_option_doc_whole(capsys):
             for p in json.loads(capsys.readouterr().out)["plugins"] for o in p["options"]}
     assert not [k for k, doc in docs.items() if doc.endswith((",", ":", ";"))]
     assert docs["pp", "schedule"].endswith("or a torch schedule class name")
+
+
+def test_commands_that_read_no_data_run_where_the_data_is_not(tmp_path, capsys):
+    """estimate, plan --auto and dryrun read no data: sizing a cluster's job on a laptop, its
+    data paths need not exist here; training (the default loader) still refuses them, every
+    one at once."""
+    from shardgraph import load_pipeline
+    from shardgraph.core.errors import PlanError
+
+    away = tmp_path / "on-the-cluster"
+    path = tmp_path / "elsewhere.toml"
+    path.write_text(TINY.replace("[data]\n", f'[data]\npath = "{away / "train.jsonl"}"\n'
+                                 f'tokenizer = "{away / "tokenizer"}"\n')
+                    + f'[validation]\npath = "{away / "val.jsonl"}"\n')
+    for args in (["estimate", str(path), "--json"], ["plan", str(path), "--auto", "--json"],
+                 ["dryrun", str(path), "--json"]):
+        assert main(args) == 0, capsys.readouterr().err
+        json.loads(capsys.readouterr().out)
+    with pytest.raises(PlanError) as raised:
+        load_pipeline(path)
+    keys = {k for v in raised.value.violations for k in v.keys}
+    assert {"data.path", "data.tokenizer", "validation.path"} <= keys, keys

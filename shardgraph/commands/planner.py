@@ -42,7 +42,7 @@ def estimate_arguments(p: argparse.ArgumentParser) -> None:
 def run_estimate(args: argparse.Namespace) -> int:
     from ..planner.predict import estimate
 
-    pipeline = load_pipeline(args.file)
+    pipeline = load_pipeline(args.file, reads_data=False)
     est = estimate(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
                    gpu=args.gpu, world_key="--world-size")
     print(json.dumps(est) if args.json else render_estimate(est))
@@ -64,7 +64,7 @@ def run_auto(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise PlanError([Violation("value", ("--top",), f"--top must be >= 1, got {args.top}",
                                    hint="e.g. --top 5")])
-    pipeline = load_pipeline(args.file)
+    pipeline = load_pipeline(args.file, reads_data=False)
     result = autoplan(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
                       gpu=args.gpu, top=args.top)
     print(json.dumps(result) if args.json else render_candidates(result))

@@ -414,7 +414,7 @@ def run_dryrun(args: argparse.Namespace) -> int:
 
     from .dryrun import dryrun, render
 
-    pipeline = load_pipeline(args.file)
+    pipeline = load_pipeline(args.file, reads_data=False)
     world = args.world_size if args.world_size is not None else pipeline.graph.world_size
     if world is None:
         raise PlanError([Violation("size", ("--world-size",), "no world size given",
@@ -440,7 +440,7 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
 
-    pipeline = load_pipeline(args.file)
+    pipeline = load_pipeline(args.file, reads_data=False)
     peft = Path(args.peft) if args.peft else None
     if _under_torchrun():
         import torch.distributed as dist

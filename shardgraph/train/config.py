@@ -164,7 +164,7 @@ def _section(name: str, table: Any, bad: list[Violation]) -> Any:
     return cls() if value is None else value
 
 
-def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
+def _rules(p: dict[str, Any], bad: list[Violation], reads_data: bool = True) -> None:
     model, data, train, ckpt = p["model"], p["data"], p["train"], p["checkpoint"]
 
     def need(cond: bool, key: str, message: str, hint: str) -> None:
@@ -198,9 +198,9 @@ def _rules(p: dict[str, Any], bad: list[Violation]) -> None:
          f"valid: {', '.join(DTYPES)}")
     need(data.token_dtype in TOKEN_DTYPES, "data.token_dtype",
          f"unknown token dtype {data.token_dtype!r}", f"valid: {', '.join(TOKEN_DTYPES)}")
-    if data.path is not None:
+    if data.path is not None and reads_data:
         _data_path_rules(data, need)
-    if data.tokenizer is not None:
+    if data.tokenizer is not None and reads_data:
         need(data.path is not None and _is_text(Path(data.path)), "data.tokenizer",
              "data.tokenizer is set but data.path is not text (.jsonl, .parquet or a directory)",
              "remove data.tokenizer: token files and synthetic data need no tokenizer")
@@ -255,8 +255,9 @@ def _is_text(path: Path) -> bool:
     return path.is_dir() or path.suffix in TEXT_SUFFIXES
 
 
-def _recipe_rules(p: dict[str, Any], validating: bool, bad: list[Violation]) -> None:
-    """``[validation]`` and ``[logging]``."""
+def _recipe_rules(p: dict[str, Any], validating: bool, bad: list[Violation],
+                  reads_data: bool = True) -> None:
+    """``[validation]`` and ``[logging]`` (``reads_data``: see ``pipeline_and_problems``)."""
     v = p["validation"]
 
     def need(cond: bool, key: str, message: str, hint: str) -> None:
@@ -267,10 +268,10 @@ def _recipe_rules(p: dict[str, Any], validating: bool, bad: list[Violation]) -> 
         need(v.path is not None, "validation.path", "[validation] has no data: path is not set",
              "set path to held-out data (a token file, .jsonl or .parquet), or remove "
              "[validation]")
-    if v.path is not None:
+    if v.path is not None and reads_data:
         _data_path_rules(p["data"], need, path=v.path, key="validation.path")
     data = p["data"]
-    if data.document_boundaries:
+    if data.document_boundaries and reads_data:
         need(data.path is not None and _is_text(Path(data.path)), "data.document_boundaries",
              "document_boundaries needs text data (.jsonl, .parquet or a directory): token "
              "files and synthetic data do not say where documents end",
@@ -311,29 +312,33 @@ def _data_path_rules(data: DataConfig, need, path: str | None = None,
              f"use {', '.join(TOKEN_SUFFIXES + TEXT_SUFFIXES)}: {kinds}")
 
 
-def pipeline_from_dict(data: Mapping[str, Any], source: str = "<string>") -> Pipeline:
-    pipeline, bad = pipeline_and_problems(data, source)
+def pipeline_from_dict(data: Mapping[str, Any], source: str = "<string>", *,
+                       reads_data: bool = True) -> Pipeline:
+    pipeline, bad = pipeline_and_problems(data, source, reads_data=reads_data)
     bad = [*pipeline.graph.problems, *bad]
     if bad:
         raise PlanError(bad)
     return pipeline
 
 
-def pipeline_and_problems(data: Mapping[str, Any],
-                          source: str = "<string>") -> tuple[Pipeline, list[Violation]]:
+def pipeline_and_problems(data: Mapping[str, Any], source: str = "<string>", *,
+                          reads_data: bool = True) -> tuple[Pipeline, list[Violation]]:
     """The pipeline and the problems of its training sections, without raising: a key that
     fails keeps its default, so what the other keys and sections say can still be checked.
-    The plan's own problems ride on ``graph.problems`` and ``compile`` reports them."""
+    The plan's own problems ride on ``graph.problems`` and ``compile`` reports them.
+    ``reads_data`` False: for a command that reads no data (``estimate``, ``plan --auto``,
+    ``dryrun``, ``export``, run where the data may not be), the data files (``data.path``,
+    ``data.tokenizer``, ``validation.path``) are not looked for."""
     bad: list[Violation] = []
     graph = graph_from_dict(data, strict=False)
     sections = {name: _section(name, data.get(name, {}), bad) for name in SECTIONS}
-    _rules(sections, bad)
+    _rules(sections, bad, reads_data)
     train = sections["train"]
     if train.micro_batch_size is not None and train.micro_batch_size >= 1:
         # the plan's rules judge it too (a pipeline's schedule is its own accumulation)
         graph.micro_batch_size = train.micro_batch_size
         graph.keys["micro_batch_size"] = "train.micro_batch_size"
-    _recipe_rules(sections, "validation" in data, bad)
+    _recipe_rules(sections, "validation" in data, bad, reads_data)
     return Pipeline(graph=graph, source=source, raw=dict(data), **sections), bad
 
 
@@ -342,9 +347,11 @@ def read_pipeline(path: str | Path) -> tuple[Pipeline, list[Violation]]:
     return pipeline_and_problems(parse(read(path), str(path)), str(path))
 
 
-def loads_pipeline(text: str, source: str = "<string>") -> Pipeline:
-    return pipeline_from_dict(parse(text, source), source)
+def loads_pipeline(text: str, source: str = "<string>", *, reads_data: bool = True) -> Pipeline:
+    return pipeline_from_dict(parse(text, source), source, reads_data=reads_data)
 
 
-def load_pipeline(path: str | Path) -> Pipeline:
-    return loads_pipeline(read(path), str(path))
+def load_pipeline(path: str | Path, *, reads_data: bool = True) -> Pipeline:
+    """The pipeline of a TOML file; every problem at once as a ``PlanError``
+    (``reads_data``: see ``pipeline_and_problems``)."""
+    return loads_pipeline(read(path), str(path), reads_data=reads_data)
