@@ -268,6 +268,38 @@ def test_no_plan_fits_is_a_plan_error():
     assert err.value.rule == "no-plan"
 
 
+def test_a_world_no_layout_splits_names_the_nearest_that_one_does():
+    """Three GPUs for a batch of 16 and a 2-block model of hidden 64: no data-parallel degree,
+    tp, cp or pp splits the job. The error says that (not that nothing fits the GPUs' memory)
+    and names the nearest world sizes some layout splits it over."""
+    two = TINY.replace("num_hidden_layers = 4", "num_hidden_layers = 2")
+    with pytest.raises(PlanError) as err:
+        autoplan(two, 3)
+    (v,) = err.value.violations
+    assert v.rule == "no-plan" and "no layout" in v.message and "K parameters" in v.message
+    assert v.hint.startswith("use --world-size 2 or 4"), v.hint
+    assert autoplan(two, 2)["candidates"] and autoplan(two, 4)["candidates"]
+
+
+def test_a_runner_up_slower_by_a_hair_is_not_said_to_be_0_percent_slower():
+    """Llama-3-70B on 256 GPUs: hybrid sharding's replicate degree moves the step by a few
+    hundredths of a percent. Each why line gives the loss to #1 to its first significant
+    digit, never a bare 0.0%."""
+    result = autoplan(LLAMA_70B, 256, top=5)
+    best = result["candidates"][0]["tokens_per_s_per_gpu"]
+    hair = 0
+    for line, row in zip(result["why"][1:], result["candidates"][1:]):
+        loss = 1 - row["tokens_per_s_per_gpu"] / best
+        if "ties" in line:
+            continue
+        said = line.split(") is ")[1].split(" slower")[0]
+        assert said not in ("0.0%", "0.00%"), line
+        if 0 < loss < 1e-3:
+            hair += 1
+            assert said == "under 0.01%" or float(said.rstrip("%")) > 0, line
+    assert hair  # the search has one here
+
+
 def test_the_search_says_the_users_mistakes_before_it_searches():
     # every plan the search builds keeps the user's options: one it cannot run is the user's
     # mistake, said at once, not a plugin silently left out of the winner (fsdp2's unknown

@@ -403,10 +403,21 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
         chosen.append(cand)
     if not results and refused is not None:
         raise refused  # every plan that fits was refused: the first says why (the user's plan)
+    if not results and not counts["layouts"]:
+        near = _worlds_with_layouts(shape, setup, world_size, gpn, registry, names)
+        raise PlanError([Violation(
+            "no-plan", ("--world-size", "train.global_batch_size"),
+            f"no layout of {shape.architecture} ({_count(shape.n_params)} parameters) splits "
+            f"over {world_size} GPUs with global_batch_size = {setup.global_batch} and seq_len "
+            f"= {setup.seq_len}: the data-parallel degree must divide the global batch, tp the "
+            f"heads and a node's GPUs, 2 x cp the sequence, pp the layers",
+            hint=(f"use --world-size {' or '.join(map(str, near))}" if near else
+                  "use a world size that divides global_batch_size") +
+            ", or a global_batch_size that the world size divides")])
     if not results:
         raise PlanError([Violation(
             "no-plan", ("--world-size", "train.global_batch_size"),
-            f"no plan of {shape.architecture} ({shape.n_params / 1e9:.1f}B parameters) fits "
+            f"no plan of {shape.architecture} ({_count(shape.n_params)} parameters) fits "
             f"{world_size} x {chip.name} with global_batch_size = {setup.global_batch} and "
             f"seq_len = {setup.seq_len} ({counts['layouts']} layouts tried)",
             hint="use more or larger GPUs, a shorter sequence, or a global batch size with more "
@@ -506,6 +517,33 @@ def _parts(est: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _worlds_with_layouts(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
+                         names: dict[str, str], reach: int = 64) -> list[int]:
+    """The nearest world sizes below and above ``world`` (within ``reach``) that some layout
+    splits the job over."""
+    out = []
+    for others in (range(world - 1, max(0, world - reach), -1),
+                   range(world + 1, world + reach)):
+        found = next((w for w in others
+                      if enumerate_candidates(shape, setup, w, gpn, registry, names)), None)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _count(n: float) -> str:
+    """A parameter count in the unit that shows it: 70.6B, 124.4M, 30.2K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(int(n))
+
+
+def _slower(loss: float) -> str:
+    """A runner-up's loss to #1 as a percentage that does not round a real one to 0.0%."""
+    return f"{loss:.1%}" if loss >= 1e-3 else f"{loss:.2%}" if loss >= 1e-4 else "under 0.01%"
+
+
 def _why(rows: list[dict[str, Any]]) -> list[str]:
     """One line per candidate: for the best, what it spends its step on; for each runner-up,
     how much slower than the best and the parts of the step that make the difference, or, for
@@ -526,7 +564,7 @@ def _why(rows: list[dict[str, Any]]) -> list[str]:
             more = (row["memory_bytes_per_rank"]["total"]
                     - prev["memory_bytes_per_rank"]["total"]) / 2**30
             out.append(f"#{i} ({row['summary']}) ties with #{i - 1} on speed"
-                       + (f" ({loss:.1%} slower than #1)" if i > 2 else "")
+                       + (f" ({_slower(loss)} slower than #1)" if i > 2 else "")
                        + (f" and needs {more:.2f} GiB more per rank: the tie goes to less memory"
                           if more > 0 else " and needs as much memory: the same prediction"))
             continue
@@ -535,6 +573,6 @@ def _why(rows: list[dict[str, Any]]) -> list[str]:
         # wins on another
         moved = sorted(diffs, key=lambda k: -abs(diffs[k]))[:2]
         parts = ", ".join(f"{k} {diffs[k]:+.3f} s" for k in moved if abs(diffs[k]) >= 5e-4)
-        out.append(f"#{i} ({row['summary']}) is {loss:.1%} slower per step: "
+        out.append(f"#{i} ({row['summary']}) is {_slower(loss)} slower per step: "
                    f"{parts or 'the same parts, rounded'}")
     return out
