@@ -185,6 +185,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .core import quiet  # noqa: F401 - optional libraries' messages no user acts on
+
     argv = list(sys.argv[1:] if argv is None else argv)
     named = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(named)

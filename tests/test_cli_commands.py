@@ -184,3 +184,64 @@ def test_commands_that_read_no_data_run_where_the_data_is_not(tmp_path, capsys):
         load_pipeline(path)
     keys = {k for v in raised.value.violations for k in v.keys}
     assert {"data.path", "data.tokenizer", "validation.path"} <= keys, keys
+
+
+def test_optional_libraries_messages_no_user_acts_on_are_dropped():
+    """torchao's warning for each CUDA kernel library a CPU machine cannot load, and torch's
+    deprecation of the Enums torchao registers with pytree, are dropped where they are logged;
+    their other messages pass."""
+    import logging
+
+    import torch
+
+    from shardgraph.core import quiet
+
+    quiet.install()
+    quiet.install()  # once is enough: no second filter
+    said: list[str] = []
+
+    class Keep(logging.Handler):  # torch's loggers do not propagate to the root's
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    assert all(sum(isinstance(f, quiet._Drop) for f in lg.filters) == 1 for lg in loggers)
+    keep = Keep()
+    for lg in loggers:
+        lg.addHandler(keep)
+    try:
+        loggers[0].warning("Failed to load /x/torchao/_C_mxfp8.so: no CUDA")
+        loggers[0].warning("something else torchao says")
+        loggers[1].warning(
+            "%s is an Enum subclass and is now natively supported by torch.compile as an opaque "
+            "value type. Calling register_constant() on Enum subclasses is deprecated and will "
+            "be an error in a future release.", "<enum 'X'>")
+        loggers[1].warning("another pytree warning")
+    finally:
+        for lg in loggers:
+            lg.removeHandler(keep)
+    kernels = [m for m in said if m.startswith("Failed to load")]
+    assert len(kernels) == (1 if torch.cuda.is_available() else 0), said
+    assert "something else torchao says" in said and "another pytree warning" in said
+    assert not any("register_constant" in m for m in said)
+
+
+def test_a_command_that_builds_a_model_says_nothing_of_torchaos_kernels():
+    """Where torchao is installed (float8's extra; the dev install has it), importing
+    transformers' models, as dryrun, export and every training worker do, logs torchao's
+    kernel libraries a CPU machine cannot load; shardgraph's processes do not show them."""
+    pytest.importorskip("torchao", reason="torchao is float8's extra: not installed here")
+    probe = ("import sys\nif sys.argv[1] == 'quiet':\n    from shardgraph.core import quiet\n"
+             "import transformers.modeling_utils\n")
+
+    def stderr(mode: str) -> str:
+        done = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    loud = stderr("loud")
+    if "Failed to load" not in loud and "register_constant" not in loud:
+        pytest.skip("torchao loads its kernels here and torch does not warn: nothing to drop")
+    quiet = stderr("quiet")
+    assert "Failed to load" not in quiet and "register_constant" not in quiet, quiet

@@ -18,8 +18,9 @@ import runpy
 import sys
 import uuid
 
-#: what the fork server imports before it forks: what every worker would import first
-PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+#: what the fork server imports before it forks: what every worker would import first (the
+#: filters of optional libraries' messages first, as the command line installs them)
+PRELOAD = ("shardgraph.core.quiet", "torch", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "transformers.modeling_utils", "shardgraph.train.loop")
 
 _started_env: dict[str, str] | None = None  # the environment the fork server started with
