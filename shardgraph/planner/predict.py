@@ -100,12 +100,8 @@ def memory_of(shape: ModelShape, v: PlanView, setup: Setup,
     return dict(zip(KINDS, ranks[worst])), worst
 
 
-def worst_rank(ranks: list[dict[str, int]]) -> int:
-    """The index of the pp rank whose total is the largest."""
-    return max(range(len(ranks)), key=lambda i: ranks[i]["total"])
-
-
 def _worst(ranks: tuple[tuple[int, ...], ...]) -> int:
+    """The index of the pp rank whose total is the largest (the first of equals)."""
     return max(range(len(ranks)), key=lambda i: ranks[i][-1])
 
 
@@ -139,7 +135,8 @@ def _rank_memory(shape: ModelShape, v: PlanView, setup: Setup,
                 buffer_parts(shape, v, setup, held, act_dtype, chunks),
                 inflights(v, n_micro, max(chunks, 1)) if v.pp > 1 else None)
         parts, (received, params, grads), in_flight = found
-        # the rank's own micro-batches in flight (rank r of 1F1B: pp - r); ``held_activations``
+        # the rank's own micro-batches in flight (rank r of 1F1B: pp - r), as
+        # ``held_activations`` prices them
         per_micro_batch, fixed = parts
         act = (per_micro_batch * in_flight[rank] / max(chunks, 1) if in_flight
                else per_micro_batch) + fixed
