@@ -234,6 +234,42 @@ def test_checkpoint_reshards_bit_identically(runs):
     assert two.keys() == exported.keys() and all(torch.equal(two[k], exported[k]) for k in two)
 
 
+def test_export_refuses_before_launch_and_a_failing_rank_ends_it_once(runs, tmp_path,
+                                                                       capsys):
+    """export checks what would refuse it before it launches, every problem at once: a
+    checkpoint that is not there, an output directory that holds files, --peft where the plan
+    adds no adapters (exit 2, said once; this hung or exited 0, said once a rank). A rank
+    whose load fails (a checkpoint damaged after its meta was written) ends the export with
+    its own message, once, exit 2."""
+    import shutil
+    import time
+
+    from shardgraph.cli import main
+
+    tmp = runs["tmp"]
+    saved = tmp / "ckpt_w4" / "step_00000020"
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "kept").write_text("x")
+    began = time.monotonic()
+    assert main(["export", str(tmp / "w4.toml"), str(tmp_path / "absent"), str(full),
+                 "--nproc", "2", "--peft", str(tmp_path / "adapters")]) == 2
+    assert time.monotonic() - began < 30  # refused, not launched
+    err = capsys.readouterr().err
+    assert err.count("shardgraph export: 3 problems") == 1, err
+    for said in ("absent' does not exist", "full exists and is not empty", "--peft"):
+        assert said in err, err
+    assert sorted(p.name for p in full.iterdir()) == ["kept"]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(saved, damaged)
+    shard = next(damaged.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert main(["export", str(tmp / "w4.toml"), str(damaged), str(tmp_path / "out"),
+                 "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("is damaged") == 1 and "shardgraph export: rank" in err, err
+
+
 def test_bad_checkpoints_are_refused_and_kept(runs, tmp_path, capsys):
     from shardgraph.cli import main
 

@@ -162,12 +162,6 @@ LAUNCHED_ENV = "SHARDGRAPH_LAUNCHED"
 
 
 def _launch(args: argparse.Namespace, nproc: int) -> int:
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from .launch import launch
-
     forwarded = ["train"] + ([str(Path(args.file).resolve())] if args.file else [])
     if args.steps is not None:
         forwarded += ["--steps", str(args.steps)]
@@ -178,6 +172,17 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
     if args.profile is not None:
         forwarded += ["--profile", args.profile, "--profile-dir",
                       str(Path(args.profile_dir).resolve())]
+    return _launch_ranks("train", nproc, forwarded)
+
+
+def _launch_ranks(command: str, nproc: int, forwarded: list[str]) -> int:
+    """``shardgraph FORWARDED`` on ``nproc`` workers; one report of a failure, the command's."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .launch import launch
+
     # the launcher's pid: its workers end with it, however it ends (see _end_with_launcher)
     os.environ[LAUNCHED_ENV] = str(os.getpid())
     # torchrun's agent logs each worker it stops and a failure table: the report below says
@@ -188,7 +193,7 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
     try:
         launch(nproc, forwarded)
     except ChildFailedError as exc:
-        return _report_failure(exc.failures)
+        return _report_failure(exc.failures, command)
     finally:
         os.environ.pop(LAUNCHED_ENV, None)
         if quiet:
@@ -198,6 +203,12 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     """One rank of a torchrun group (launched by ``shardgraph train`` or by hand)."""
+    _worker_setup()
+    return _run_in_place(args, None)
+
+
+def _worker_setup() -> None:
+    """What a rank of a torchrun group (ours, or one started by hand) does first."""
     import signal
 
     # Ctrl-C: torchrun forwards SIGINT to each worker; dying at once and quietly (even inside
@@ -205,7 +216,6 @@ def _worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     if os.environ.get(LAUNCHED_ENV, "").isdigit():
         _end_with_launcher(int(os.environ[LAUNCHED_ENV]))
-    return _run_in_place(args, None)
 
 
 def _end_with_launcher(launcher: int) -> None:
@@ -239,12 +249,25 @@ def _end_with_launcher(launcher: int) -> None:
 
 def _run_in_place(args: argparse.Namespace, pipeline) -> int:
     """Train on this process (and the torchrun group it belongs to)."""
+    from .loop import train
+
+    def body() -> None:
+        found = _pipeline(args) if pipeline is None else pipeline
+        train(found, steps=args.steps, metrics=args.metrics, on_step=_fault_hook(),
+              profile=_profile(args, found))
+
+    return _as_rank("train", body)
+
+
+def _as_rank(command: str, body) -> int:
+    """Run ``body`` on this process, one rank of the torchrun group it belongs to (if any): its
+    input error is said once (by rank 0, unless our launcher reports it) and its error is left
+    where the launcher finds it; a rank that fails exits at once, never waiting in a
+    collective for the others."""
     import time
 
     import torch
     import torch.distributed as dist
-
-    from .loop import train
 
     launched = _under_torchrun()
     # our own launcher prints the failing rank's message; under a bare torchrun each prints
@@ -252,20 +275,17 @@ def _run_in_place(args: argparse.Namespace, pipeline) -> int:
     rank = int(os.environ.get("RANK", 0))
     code, kind = 0, None
     try:
-        if pipeline is None:
-            pipeline = _pipeline(args)
         if launched and not dist.is_initialized():
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
                 dist.init_process_group("nccl")
             else:
                 dist.init_process_group("gloo")
-        train(pipeline, steps=args.steps, metrics=args.metrics, on_step=_fault_hook(),
-              profile=_profile(args, pipeline))
+        body()
     except PlanError as exc:
         _record("plan", str(exc))
         if reports and rank == 0:  # the same input error on every rank: say it once
-            print(f"shardgraph train: {exc}", file=sys.stderr, flush=True)
+            print(f"shardgraph {command}: {exc}", file=sys.stderr, flush=True)
         code = 2
     except Exception as exc:
         kind = _record("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
@@ -354,7 +374,7 @@ def _record(kind: str, text: str, trace: str = "") -> str:
     return kind
 
 
-def _report_failure(failures: dict) -> int:
+def _report_failure(failures: dict, command: str = "train") -> int:
     """One report for a failed group: the rank whose failure came first and caused the rest,
     with its own message. torchrun lists every rank that ended, including those it stopped
     itself (with SIGTERM) and those that only lost a peer."""
@@ -385,18 +405,18 @@ def _report_failure(failures: dict) -> int:
         if failure.exitcode < 0:
             name = failure.signal_name()
             why = " (the out-of-memory killer sends it too)" if name == "SIGKILL" else ""
-            print(f"shardgraph train: rank {rank} was killed by {name} (signal "
+            print(f"shardgraph {command}: rank {rank} was killed by {name} (signal "
                   f"{-failure.exitcode}){why}{rest}", file=sys.stderr, flush=True)
             return 1
-        print(f"shardgraph train: rank {rank} exited with code {failure.exitcode} without a "
+        print(f"shardgraph {command}: rank {rank} exited with code {failure.exitcode} without a "
               f"message{rest}", file=sys.stderr, flush=True)
         return failure.exitcode or 1
     if rec["kind"] == "plan":
-        print(f"shardgraph train: rank {rank}: {rec['text']}", file=sys.stderr, flush=True)
+        print(f"shardgraph {command}: rank {rank}: {rec['text']}", file=sys.stderr, flush=True)
         return 2
     if rec.get("traceback"):
         print(f"rank {rank}: {rec['traceback'].rstrip()}", file=sys.stderr)
-    print(f"shardgraph train: rank {rank} failed: {rec['text']}{rest}", file=sys.stderr,
+    print(f"shardgraph {command}: rank {rank} failed: {rec['text']}{rest}", file=sys.stderr,
           flush=True)
     return 1
 
@@ -440,40 +460,59 @@ def export_arguments(p: argparse.ArgumentParser) -> None:
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
 
-    pipeline = load_pipeline(args.file, reads_data=False)
     peft = Path(args.peft) if args.peft else None
     if _under_torchrun():
-        import torch.distributed as dist
+        _worker_setup()
 
-        from .loop import device_type
-
-        dist.init_process_group("nccl" if device_type() == "cuda" else "gloo")
-        try:
+        def body() -> None:
+            pipeline = load_pipeline(args.file, reads_data=False)
             out = export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out), peft)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ.get("RANK", "0")) == 0:
-            for path in out:
-                print(f"exported {path}")
-        return 0
+            if int(os.environ.get("RANK", "0")) == 0:
+                for path in out:
+                    print(f"exported {path}")
+
+        return _as_rank("export", body)
+    pipeline = load_pipeline(args.file, reads_data=False)
     nproc = _nproc(args, pipeline)
     graph = pipeline.graph
     if args.nproc is not None:  # the plan's problems name the option the user gave
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": "--nproc"})
-    graph.compile(world_size=nproc)  # before anything is loaded or launched
+    plan = graph.compile(world_size=nproc)  # before anything is loaded or launched
+    _export_checks(pipeline, plan, Path(args.checkpoint), Path(args.out), peft)
     if nproc == 1:
         for path in export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out), peft):
             print(f"exported {path}")
         return 0
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    return _launch_ranks("export", nproc, [
+        "export", str(Path(args.file).resolve()), str(Path(args.checkpoint).resolve()),
+        str(Path(args.out).resolve()), *(["--peft", str(peft.resolve())] if peft else [])])
 
-    from .launch import launch
 
+def _export_checks(pipeline: Pipeline, plan, checkpoint: Path, out: Path,
+                   peft: Path | None) -> None:
+    """What would refuse the export, refused before anything is loaded or launched, every
+    problem at once: the checkpoint (there, complete, saved for this model) and the
+    directories it writes (the adapters' only where the plan adds adapters)."""
+    from . import checkpoint as ckpt
+    from .model import fingerprint
+    from .preflight import export_dir_problems
+
+    bad: list[Violation] = []
     try:
-        launch(nproc, ["export", str(Path(args.file).resolve()),
-                       str(Path(args.checkpoint).resolve()), str(Path(args.out).resolve()),
-                       *(["--peft", str(peft.resolve())] if peft else [])])
-    except ChildFailedError as exc:
-        return _report_failure(exc.failures)
-    return 0
+        ckpt.check_compatible(ckpt.read_meta(checkpoint, key="checkpoint"),
+                              fingerprint(pipeline.model), checkpoint)
+    except PlanError as exc:
+        bad += exc.violations
+    adapters = any(ckpt.ADAPTERS in plan.registry.get(s.plugin).provides for s in plan.steps)
+    outputs = [("out", out, f"give a new directory, or move {out} away")]
+    if adapters:
+        adapter_dir = peft or out.with_name(out.name + "-adapter")
+        outputs.append(("--peft", adapter_dir, f"give --peft a new directory, or move "
+                        f"{adapter_dir} away"))
+    elif peft is not None:
+        bad.append(Violation("value", ("--peft",), f"--peft {peft}: this plan adds no adapters "
+                             "(no plugin provides low_rank_adapters): nothing would be written "
+                             "there", hint="remove --peft"))
+    bad += export_dir_problems(outputs)
+    if bad:
+        raise PlanError(bad)

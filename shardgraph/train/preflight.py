@@ -200,21 +200,25 @@ def checkpoint_dir(pipeline: Pipeline, model_bytes: int | None) -> list[Violatio
 def _export_dir(pipeline: Pipeline) -> list[Violation]:
     """``export_hf`` and ``export_peft`` are written at the very end: refuse now what would
     refuse them then."""
+    return export_dir_problems([
+        (f"checkpoint.{key}", Path(out), f"move {out} away (a run that resumes exports again "
+         f"at its end), or set another {key}")
+        for key in ("export_hf", "export_peft")
+        if (out := getattr(pipeline.checkpoint, key)) is not None])
+
+
+def export_dir_problems(outputs: list[tuple[str, Path, str]]) -> list[Violation]:
+    """Each (key, directory an export writes, what else to do) that would refuse it: one that
+    holds files already, or that cannot be created."""
     bad = []
-    for key in ("export_hf", "export_peft"):
-        out = getattr(pipeline.checkpoint, key)
-        if out is None:
-            continue
-        path = Path(out)
+    for key, path, instead in outputs:
         if path.is_dir() and any(path.iterdir()):
-            bad.append(Violation("checkpoint", (f"checkpoint.{key}",),
-                                 f"{out} exists and is not empty: the export at the end would "
-                                 "fail", hint=f"move {out} away (a run that resumes exports again "
-                                 f"at its end), or set another {key}"))
+            bad.append(Violation("checkpoint", (key,), f"{path} exists and is not empty: the "
+                                 "export would fail", hint=instead))
             continue
         _, problem = _writable_ancestor(path)
         if problem is not None:
-            bad.append(Violation("checkpoint", (f"checkpoint.{key}",),
-                                 f"the export cannot be written to {out}: {problem}",
+            bad.append(Violation("checkpoint", (key,),
+                                 f"the export cannot be written to {path}: {problem}",
                                  hint="choose a writable directory"))
     return bad
