@@ -245,3 +245,49 @@ def test_a_command_that_builds_a_model_says_nothing_of_torchaos_kernels():
         pytest.skip("torchao loads its kernels here and torch does not warn: nothing to drop")
     quiet = stderr("quiet")
     assert "Failed to load" not in quiet and "register_constant" not in quiet, quiet
+
+
+def _write(tmp_path, name: str, text: str | bytes) -> str:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+def test_a_file_that_is_not_utf8_text_is_refused_and_a_byte_order_mark_is_read(tmp_path,
+                                                                              capsys):
+    assert main(["plan", _write(tmp_path, "bin.toml", b"\xff\xfe[plugins.fsdp2]\n")]) == 2
+    err = capsys.readouterr().err
+    assert "[file]" in err and "is not UTF-8 text" in err and "Traceback" not in err, err
+    bom = _write(tmp_path, "bom.toml", "\ufeff" + TINY)
+    assert main(["plan", bom, "--json"]) == 0, capsys.readouterr().err
+
+
+def test_input_that_crashed_a_command_is_refused_with_its_key(tmp_path, capsys):
+    """Each of these printed a traceback (or, for train, started its workers first)."""
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1, 2]")
+    cases = [
+        (["estimate", _write(tmp_path, "a.toml", TINY.replace(
+            '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\n',
+            f'[model]\npath = "{listed}"\n[model.config]\n'))], "model.path"),
+        (["plan", _write(tmp_path, "b.toml", TINY.replace("[plugins.fsdp2]\n[plugins.tp]\nsize = 2\n",
+                                                         "[plugins.ddp]\nbucket_cap_mb = nan\n"))],
+         "plugins.ddp.bucket_cap_mb"),
+        (["dryrun", _write(tmp_path, "c.toml", TINY.replace("hidden_size = 32",
+                                                           "hidden_size = 30"))],
+         "model.config"),
+        (["dryrun", _write(tmp_path, "d.toml", TINY), "--world-size", "0"], "--world-size"),
+    ]
+    odd_cp = _write(tmp_path, "e.toml", TINY.replace("[plugins.tp]\nsize = 2\n",
+                                                     "[plugins.cp]\nsize = 2\n")
+                    .replace("seq_len = 8", "seq_len = 10"))
+    cases += [([command, odd_cp], "data.seq_len, plugins.cp.size")
+              for command in ("estimate", "dryrun", "train")]
+    for args, key in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert f"] {key}:" in err and "Traceback" not in err, (args, err)

@@ -17,6 +17,8 @@ class Settings:
     local_batch_size: int | None = None
     #: sequences per forward/backward pass of gradient accumulation ([train] micro_batch_size)
     micro_batch_size: int | None = None
+    #: tokens per sequence ([data] seq_len), where the input says
+    seq_len: int | None = None
 
 
 @attrs.frozen(cache_hash=True)

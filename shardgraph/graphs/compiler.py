@@ -144,7 +144,9 @@ def _settings(graph: Graph, bad: list[Violation]) -> Settings:
     mbs = graph.micro_batch_size
     if mbs is not None:
         mbs = positive(mbs, graph.key("micro_batch_size"), bad)
-    return Settings(packed_sequence_size=packed, local_batch_size=lbs, micro_batch_size=mbs)
+    seq = graph.seq_len if isinstance(graph.seq_len, int) and graph.seq_len >= 1 else None
+    return Settings(packed_sequence_size=packed, local_batch_size=lbs, micro_batch_size=mbs,
+                    seq_len=seq)
 
 
 def _resolve(entries, registry: Registry, bad: list[Violation]):

@@ -34,7 +34,8 @@ class Graph:
 
     ``dp_size``, ``packed_sequence_size`` and ``local_batch_size`` are the settings the
     compiler checks (NeMo's ``dp_size``, ``packed_sequence_size``, ``local_batch_size``);
-    ``micro_batch_size`` (a training file's ``[train] micro_batch_size``) too.
+    ``micro_batch_size`` (a training file's ``[train] micro_batch_size``) and ``seq_len``
+    (its ``[data] seq_len``) too.
     """
 
     entries: list[Entry] = attrs.field(factory=list)
@@ -42,6 +43,7 @@ class Graph:
     packed_sequence_size: int = 0
     local_batch_size: int | None = None
     micro_batch_size: int | None = None
+    seq_len: int | None = None
     world_size: int | None = None
     gpus_per_node: int | None = None
     #: where each graph-level setting came from in the user's input (for error keys)

@@ -77,10 +77,17 @@ FILE_SUBJECT = "the pipeline file"
 def read(path: str | Path) -> str:
     """A pipeline file's text; an unreadable file is a PlanError naming it."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark some editors write is not TOML's, nor visible
+        return Path(path).read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise PlanError([Violation("file", (str(path),), f"cannot read {path}: {exc.strerror}",
                                    hint="check the path")], subject=FILE_SUBJECT) from None
+    except UnicodeDecodeError as exc:
+        raise PlanError([Violation("file", (str(path),), f"{path} is not UTF-8 text (byte "
+                                   f"{exc.start}: {exc.object[exc.start:exc.start + 1]!r}): "
+                                   "TOML files are UTF-8",
+                                   hint="save the file as UTF-8, or give the pipeline's TOML "
+                                   "file")], subject=FILE_SUBJECT) from None
 
 
 def load_toml(path: str | Path, *, strict: bool = True) -> Graph:

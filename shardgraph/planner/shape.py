@@ -218,6 +218,10 @@ def model_shape(spec) -> ModelShape:
     except (OSError, ValueError) as exc:
         raise _problem("model.path", f"cannot read {path}: {exc}",
                        "point model.path at a directory with a valid config.json") from None
+    if not isinstance(values, dict):
+        raise _problem("model.path", f"{path} holds a JSON {type(values).__name__}, not an "
+                       "object of a model's settings", "point model.path at a directory written "
+                       "by save_pretrained")
     names = values.get("architectures") or []
     arch = names[0] if names else _BY_TYPE.get(values.get("model_type", ""), "?")
     if arch not in FAMILIES and values.get("model_type") in _BY_TYPE:

@@ -9,6 +9,7 @@ import attrs
 
 from ..core.axes import Axis
 from ..core.costs import Cost
+from ..core.errors import Violation
 from ..core.values import BatchShape, collective
 from ..plugins import Kind, Plugin
 
@@ -60,6 +61,14 @@ def _grad_sync(model: nn.Module, options: DDPOptions, enabled: bool) -> None:
         model.require_backward_grad_sync = enabled
 
 
+def _check(options: DDPOptions, layout, settings) -> list[Violation]:
+    if math.isfinite(options.bucket_cap_mb) and options.bucket_cap_mb > 0:
+        return []
+    return [Violation("option", ("bucket_cap_mb",),
+                      f"bucket_cap_mb must be a positive number of MiB, got "
+                      f"{options.bucket_cap_mb}", hint="e.g. bucket_cap_mb = 25 (DDP's default)")]
+
+
 def _cost(options: DDPOptions, layout) -> Cost:
     return Cost(states="replicated")
 
@@ -72,6 +81,7 @@ PLUGIN = Plugin(
     mesh_axes=(Axis.DP,),
     provides={"data_parallel"},
     cost=_cost,
+    check=_check,
     conflicts={"model_parallel", "hybrid_shard"},
     apply=_apply,
     grad_sync=_grad_sync,

@@ -22,7 +22,7 @@ from ..core.errors import PlanError, Violation
 from ..core.values import BatchShape
 from .config import Pipeline
 from .loop import compile_for
-from .model import build_model
+from .model import build_model, unbuildable
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
@@ -33,6 +33,9 @@ def _bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
 
 
 def dryrun(pipeline: Pipeline, world_size: int, rank: int = 0) -> dict[str, Any]:
+    if world_size < 1:
+        raise PlanError([Violation("value", ("--world-size",), f"--world-size must be >= 1, got "
+                                   f"{world_size}", hint="the number of ranks, e.g. 8")])
     if not 0 <= rank < world_size:
         raise PlanError([Violation("value", ("--rank",), f"rank {rank} is not in a world of "
                                    f"{world_size}", hint=f"use 0 .. {world_size - 1}")])
@@ -41,7 +44,12 @@ def dryrun(pipeline: Pipeline, world_size: int, rank: int = 0) -> dict[str, Any]
     plan = compile_for(pipeline, world_size, "--world-size")
     with fake_world(world_size, rank):
         ctx = plan.build_mesh("cpu")
-        model = build_model(pipeline.model, seed=pipeline.train.seed, device="meta")
+        try:
+            model = build_model(pipeline.model, seed=pipeline.train.seed, device="meta")
+        except PlanError:
+            raise
+        except Exception as exc:  # the model class refusing its config (a shape that cannot be)
+            raise PlanError([unbuildable(pipeline.model, exc)]) from None
         full_params = sum(p.numel() for p in model.parameters())
         full_bytes = sum(_bytes(p) for p in model.parameters())
         parallel = plan.apply(model, ctx)

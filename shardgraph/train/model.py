@@ -63,6 +63,16 @@ def hf_config(spec: ModelConfig):
     return config
 
 
+def unbuildable(spec: ModelConfig, exc: Exception) -> Violation:
+    """The problem of a model class that refuses its config (a shape that cannot be)."""
+    key = "model.path" if spec.path else "model.config"
+    return Violation(
+        "model", (key,), f"{spec.path or spec.architecture} cannot be built from this config: "
+        f"{type(exc).__name__}: {exc}",
+        hint="change the values the message names in [model.config]" + (
+            " (they override config.json's)" if spec.path else ""))
+
+
 def check_config_keys(model_class: type | None, config_class: type, given: dict[str, Any],
                       stray: set[str]) -> None:
     """Refuse ``[model.config]`` keys the model does not know (HF configs accept and ignore

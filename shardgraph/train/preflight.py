@@ -76,7 +76,7 @@ def check(pipeline: Pipeline, nproc: int | None, nproc_key: str = "--nproc",
 def _model(pipeline: Pipeline, bad: list[Violation]):
     """The model built on ``meta``, or None with the problem; and the weights of ``[model]
     path`` checked against it (names, shapes, each with its file; none is read)."""
-    from .model import check_weights, meta_model
+    from .model import check_weights, meta_model, unbuildable
 
     spec = pipeline.model
     try:
@@ -86,11 +86,7 @@ def _model(pipeline: Pipeline, bad: list[Violation]):
         bad += exc.violations
         return None
     except Exception as exc:  # the model class refusing its config (a shape that cannot be)
-        key = "model.path" if spec.path else "model.config"
-        bad.append(Violation(
-            "model", (key,), f"{spec.architecture if not spec.path else spec.path} cannot be "
-            f"built from this config: {type(exc).__name__}: {exc}",
-            hint=f"fix {key}"))
+        bad.append(unbuildable(spec, exc))
         return None
     return model
 

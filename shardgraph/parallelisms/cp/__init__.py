@@ -80,6 +80,13 @@ def _check(options: CPOptions, layout, settings) -> list[Violation]:
             hint=f"use a packed_sequence_size that is a multiple of {options.size}"
             + (f" ({2 * options.size} with load balancing)" if options.load_balance else ""),
         ))
+    seq, chunks = settings.seq_len, options.size * (2 if options.load_balance else 1)
+    if seq and not packed and seq % chunks:
+        bad.append(Violation(
+            "cp-sequence", ("settings.seq_len", "size"),
+            f"seq_len = {seq} is not divisible by {chunks} (cp = {options.size}"
+            + (", two chunks a rank with load balancing)" if options.load_balance else ")"),
+            hint=f"use a seq_len that is a multiple of {chunks}, or another cp size"))
     return bad
 
 
