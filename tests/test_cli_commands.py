@@ -291,3 +291,32 @@ def test_input_that_crashed_a_command_is_refused_with_its_key(tmp_path, capsys):
         assert main(args) == 2, args
         err = capsys.readouterr().err
         assert f"] {key}:" in err and "Traceback" not in err, (args, err)
+
+
+def test_zero_gpus_a_node_is_refused_by_name_and_a_preset_is_found_by_its_start(tmp_path,
+                                                                                capsys):
+    """estimate and plan --auto took --gpus-per-node 0 (and [mesh] gpus_per_node = 0) as
+    unset; --gpu H100 suggested H200, not H100-SXM."""
+    zero = _write(tmp_path, "zero.toml", TINY.replace("world_size = 4",
+                                                      "world_size = 4\ngpus_per_node = 0"))
+    for args, key in ((["estimate", _write(tmp_path, "t.toml", TINY), "--gpus-per-node", "0"],
+                       "--gpus-per-node"),
+                      (["plan", "--auto", str(tmp_path / "t.toml"), "--gpus-per-node", "0"],
+                       "--gpus-per-node"),
+                      (["estimate", zero], "mesh.gpus_per_node"),
+                      (["plan", "--auto", zero], "mesh.gpus_per_node")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert f"[size] {key}: {key} must be a positive integer" in err, (args, err)
+    assert main(["estimate", str(tmp_path / "t.toml"), "--gpu", "H100"]) == 2
+    assert "did you mean 'H100-SXM'?" in capsys.readouterr().err
+
+
+def test_train_refuses_outputs_it_could_not_write_before_it_starts(tmp_path, capsys):
+    directory = tmp_path / "metrics"
+    directory.mkdir()
+    a_file = _write(tmp_path, "traces", "")
+    assert main(["train", _write(tmp_path, "t.toml", TINY), "--steps", "2", "--metrics",
+                 str(directory), "--profile", "1:1", "--profile-dir", a_file]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "--metrics" in err and "--profile-dir" in err, err

@@ -44,7 +44,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     pipeline = load_pipeline(args.file, reads_data=False)
     est = estimate(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
-                   gpu=args.gpu, world_key="--world-size")
+                   gpu=args.gpu, world_key="--world-size", gpus_per_node_key="--gpus-per-node")
     print(json.dumps(est) if args.json else render_estimate(est))
     return 0
 
@@ -66,6 +66,6 @@ def run_auto(args: argparse.Namespace) -> int:
                                    hint="e.g. --top 5")])
     pipeline = load_pipeline(args.file, reads_data=False)
     result = autoplan(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
-                      gpu=args.gpu, top=args.top)
+                      gpu=args.gpu, top=args.top, gpus_per_node_key="--gpus-per-node")
     print(json.dumps(result) if args.json else render_candidates(result))
     return 0

@@ -102,14 +102,25 @@ class PlanWarning(UserWarning):
         super().__init__(violation.render())
 
 
+def closest(name: str, choices: Sequence[str]) -> str | None:
+    """The one choice that starts with ``name`` (``H100`` -> ``H100-SXM``), else the closest
+    by spelling, else None."""
+    low = str(name).lower()
+    started = [c for c in choices if low and str(c).lower().startswith(low)]
+    if len(started) == 1:
+        return started[0]
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def did_you_mean(name: str, choices: Sequence[str]) -> str:
     """`` (did you mean 'x'?)`` for a close match, else the empty string."""
-    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(name, choices)
+    return f" (did you mean {close!r}?)" if close is not None else ""
 
 
 def choices_hint(name: str, choices: Sequence[str]) -> str:
     """``use 'x'; valid: ...`` with the closest choice first when there is one."""
-    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    close = closest(name, choices)
     valid = "valid: " + ", ".join(repr(c) for c in sorted(choices))
-    return f"use {close[0]!r}; {valid}" if close else valid
+    return f"use {close!r}; {valid}" if close is not None else valid

@@ -249,27 +249,39 @@ def loaded(pipeline) -> Any:
     return pipeline
 
 
-def context(pipeline, world_size: int, gpus_per_node: int | None, gpu: str | None):
+def context(pipeline, world_size: int, gpus_per_node: int | None, gpu: str | None,
+            gpus_per_node_key: str = "gpus_per_node"):
     """(gpus_per_node, GPU) from the arguments, ``[cluster]`` and ``[mesh]``, else the GPU's
     NVLink domain (8; a GB200 NVL72 rack's 72)."""
     table = cluster_table(pipeline.raw.get("cluster"))
     chip = resolve_gpu(gpu, table)
-    gpn = gpus_per_node or table.gpus_per_node or pipeline.graph.gpus_per_node or \
-        chip.gpus_per_node
+    # the first given, 0 included: refused, naming where it came from
+    gpn = next((g for g in (gpus_per_node, table.gpus_per_node, pipeline.graph.gpus_per_node)
+                if g is not None), chip.gpus_per_node)
+    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+        key = gpus_per_node_key if gpus_per_node is not None else \
+            pipeline.graph.key("gpus_per_node")
+        raise PlanError([Violation("size", (key,), f"{key} must be a positive integer, got "
+                                   f"{gpn!r}", hint="the GPUs of one node (NVLink domain), "
+                                   "e.g. 8")])
     return gpn, chip
 
 
 def estimate(pipeline, world_size: int, *, gpus_per_node: int | None = None,
              gpu: str | None = None, efficiency: Efficiency | None = None,
-             world_key: str = "world_size", registry=None) -> dict[str, Any]:
+             world_key: str = "world_size", gpus_per_node_key: str = "gpus_per_node",
+             registry=None) -> dict[str, Any]:
     """Estimate the plan of a loaded ``pipeline`` at ``world_size``: raises ``PlanError`` for a
     plan that does not compile or does not fit the model, else returns the estimate's keys
-    (see ``evaluate``). ``registry``: the plugins to compile with (default: the process's)."""
+    (see ``evaluate``). ``registry``: the plugins to compile with (default: the process's);
+    ``world_key``, ``gpus_per_node_key``: what the errors call the arguments."""
     pipeline = loaded(pipeline)
-    gpn, chip = context(pipeline, world_size, gpus_per_node, gpu)
+    gpn, chip = context(pipeline, world_size, gpus_per_node, gpu, gpus_per_node_key)
     graph = pipeline.graph
     if graph.world_size != world_size:  # ``world_size`` wins over [mesh], as in Graph.compile
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": world_key})
+    if gpus_per_node is not None:  # the argument wins over [cluster] and [mesh]
+        graph = attrs.evolve(graph, keys={**graph.keys, "gpus_per_node": gpus_per_node_key})
     plan = graph.compile(world_size=world_size, gpus_per_node=gpn, registry=registry)
     v = plan_view(plan)
     shape = model_shape(pipeline.model)

@@ -136,6 +136,7 @@ def _launcher(args: argparse.Namespace) -> int:
         _profile(args, pipeline)
     except PlanError as exc:
         problems += exc.violations
+    problems += _output_problems(args)
     nproc = None
     try:
         nproc = _nproc(args, pipeline)
@@ -309,6 +310,21 @@ def _as_rank(command: str, body) -> int:
         if code or not launch.in_worker:
             os._exit(code)  # a failed rank must not wait in a collective: the agent stops the rest
     return code
+
+
+def _output_problems(args: argparse.Namespace) -> list[Violation]:
+    """The files the options name that the run could not write, found before it starts."""
+    bad = []
+    if args.metrics is not None and Path(args.metrics).is_dir():
+        bad.append(Violation("value", ("--metrics",), f"--metrics {args.metrics} is a directory: "
+                             "the metrics are one JSON line a step, in a file",
+                             hint="give a file's path, e.g. --metrics metrics.jsonl"))
+    if args.profile is not None and Path(args.profile_dir).exists() and \
+            not Path(args.profile_dir).is_dir():
+        bad.append(Violation("value", ("--profile-dir",), f"--profile-dir {args.profile_dir} is "
+                             "a file: the traces are written in a directory",
+                             hint="give a directory's path, e.g. --profile-dir profile_traces"))
+    return bad
 
 
 def _profile(args: argparse.Namespace, pipeline) -> tuple[int, int, str] | None:

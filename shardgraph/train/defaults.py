@@ -3,7 +3,7 @@
 DEFAULT_NPROC = 4
 
 DEFAULT_PIPELINE = """\
-# shardgraph's default run: a tiny Llama trained for 50 steps on 4 processes, about a minute on
+# shardgraph's default run: a tiny Llama trained for 50 steps on 4 processes, about 30 s on
 # 2 CPU cores. Tensor (and sequence) parallel inside pairs of ranks, FSDP2 across the pairs;
 # activation checkpointing recomputes the blocks in backward.
 [model]
