@@ -106,7 +106,7 @@ def run_plan(args: argparse.Namespace) -> int:
         data["groups"] = rank_groups(plan.layout)  # the ranks of each process group
         print(json.dumps(data))
     else:
-        print(explain(plan).split("\n\nprocess groups")[0])
+        print(explain(plan, with_groups=False))
     return 0
 
 

@@ -47,7 +47,9 @@ def rank_groups(layout: MeshLayout) -> dict[str, list[list[int]]]:
     return {axis.value: layout.ranks(axis) for axis in shown_axes(layout)}
 
 
-def explain(plan: Plan) -> str:
+def explain(plan: Plan, with_groups: bool = True) -> str:
+    """The plan in words: its steps, its mesh, and (``with_groups``) its process groups and each
+    rank's place (the groups of a large world take time and memory to list)."""
     lay = plan.layout
     lines = [f"world size {lay.world_size} ({lay.gpus_per_node} GPUs per node)", "", "steps:"]
     for i, step in enumerate(plan.steps, 1):
@@ -62,6 +64,8 @@ def explain(plan: Plan) -> str:
     if lay.moe_mesh_shape:
         lines.append("moe mesh: " + " x ".join(
             f"{n}={s}" for n, s in zip(("pp", "ep_shard", "ep"), lay.moe_mesh_shape)))
+    if not with_groups:
+        return "\n".join(lines)
     lines += ["", "process groups (global ranks):"]
     groups = rank_groups(lay)
     for axis, members in groups.items():
