@@ -333,3 +333,12 @@ def test_plan_of_a_huge_world_does_not_list_its_process_groups(capsys):
     assert time.process_time() - began < 10
     out = capsys.readouterr().out
     assert "dp_shard=8388608" in out and "process groups" not in out
+
+
+def test_a_misspelt_size_is_one_problem_not_two(tmp_path, capsys):
+    """``[plugins.tp] sise = 2``: the unknown key, with the right spelling; not also 'tp has
+    size 1, set size > 1' (true, but advice for another mistake)."""
+    text = TINY.replace("[plugins.tp]\nsize = 2\n", "[plugins.tp]\nsise = 2\n")
+    assert main(["plan", _write(tmp_path, "sise.toml", text)]) == 2
+    err = capsys.readouterr().err
+    assert "1 problem" in err and "did you mean 'size'?" in err and "inactive" not in err, err

@@ -214,7 +214,9 @@ def _activate(resolved, mesh: DerivedMesh, bad) -> list[_Resolved]:
             active = multi or p.kind is Kind.POLICY
             certain = mesh.world_known or p.kind is Kind.POLICY
         if p.sized and not active:
-            extra = sorted(k for k in r.entry.options if k != "size")
+            # an unknown key is its own problem (unknown-key), not an option without effect
+            known = attrs.fields_dict(p.options) if attrs.has(p.options) else r.entry.options
+            extra = sorted(k for k in r.entry.options if k != "size" and k in known)
             if extra:
                 bad.append(Violation(
                     "inactive-options", tuple(r.entry.origin(k) for k in extra),
