@@ -224,6 +224,22 @@ def test_optional_libraries_messages_no_user_acts_on_are_dropped():
     assert len(kernels) == (1 if torch.cuda.is_available() else 0), said
     assert "something else torchao says" in said and "another pytree warning" in said
     assert not any("register_constant" in m for m in said)
+    # a one-process load or save of torch's distributed checkpoint: its warning and its log
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet.install()
+        warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming "
+                      "the intent is to load in a single process.", UserWarning)
+        warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning"]
+    consolidate = logging.getLogger("torch.distributed.checkpoint._consolidate_hf_safetensors")
+    assert any(isinstance(f, quiet._Drop) for f in consolidate.filters)
+    record = consolidate.makeRecord(consolidate.name, logging.WARNING, __file__, 0,
+                                    "Distributed environment not initialized. Running in "
+                                    "single process mode.", (), None)
+    assert not consolidate.filter(record)
 
 
 def test_a_command_that_builds_a_model_says_nothing_of_torchaos_kernels():

@@ -5,7 +5,10 @@ where they are logged:
   CUDA kernel libraries on import and logs a warning for each one a machine without CUDA cannot
   load: on a CPU machine, every command that builds a model said so twice per process;
 - torch logs a deprecation for each Enum that torchao registers with pytree (torchao's to
-  change, not the user's).
+  change, not the user's);
+- torch's distributed checkpoint warns that it loads or saves in one process when no process
+  group is up, and logs it again when it consolidates safetensors: what a one-process run or
+  ``export --nproc 1`` asks of it.
 
 Importing this module installs the filters (the command line does, and the fork server its
 workers come from imports it first); ``install`` again is a no-op. Any other message of these
@@ -15,13 +18,20 @@ loggers passes, and torchao's on a machine with CUDA.
 from __future__ import annotations
 
 import logging
+import re
 import sys
+import warnings
 
 #: (logger, the start of a message it drops on a machine without CUDA)
 NO_CUDA = (("torchao", "Failed to load "),)
 #: (logger, a part of a message it drops everywhere)
 ALWAYS = (("torch.utils._pytree",
-           "Calling register_constant() on Enum subclasses is deprecated"),)
+           "Calling register_constant() on Enum subclasses is deprecated"),
+          ("torch.distributed.checkpoint._consolidate_hf_safetensors",
+           "Distributed environment not initialized. Running in single process mode"))
+#: the start of a warning (``warnings``) dropped everywhere
+WARNINGS = ("torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
+            "is to",)
 
 
 class _Drop(logging.Filter):
@@ -43,6 +53,8 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):
             logger.addFilter(_Drop())
+    for start in WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(start), category=UserWarning)
 
 
 install()
