@@ -238,9 +238,10 @@ def test_export_refuses_before_launch_and_a_failing_rank_ends_it_once(runs, tmp_
                                                                        capsys):
     """export checks what would refuse it before it launches, every problem at once: a
     checkpoint that is not there, an output directory that holds files, --peft where the plan
-    adds no adapters (exit 2, said once; this hung or exited 0, said once a rank). A rank
-    whose load fails (a checkpoint damaged after its meta was written) ends the export with
-    its own message, once, exit 2."""
+    adds no adapters (exit 2, said once; this hung or exited 0, said once a rank), a damaged
+    checkpoint (by its files' sizes), each with the export's key and fix. A rank whose load
+    fails (a checkpoint damaged where its sizes do not show) ends the export with its own
+    message, once, exit 2."""
     import shutil
     import time
 
@@ -267,7 +268,18 @@ def test_export_refuses_before_launch_and_a_failing_rank_ends_it_once(runs, tmp_
     assert main(["export", str(tmp / "w4.toml"), str(damaged), str(tmp_path / "out"),
                  "--nproc", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("is damaged") == 1 and "shardgraph export: rank" in err, err
+    assert err.count("is damaged") == 1 and "] checkpoint: checkpoint" in err, err
+    assert "resume" not in err and "export" in err.split("fix:")[1], err
+    # the same size, other bytes: only loading it finds the damage, on a rank
+    shutil.rmtree(damaged)
+    shutil.copytree(saved, damaged)
+    data = bytearray(shard.read_bytes())
+    data[:64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    assert main(["export", str(tmp / "w4.toml"), str(damaged), str(tmp_path / "out"),
+                 "--nproc", "2"]) in (1, 2)
+    err = capsys.readouterr().err
+    assert "shardgraph export: rank" in err and err.count("shardgraph export:") == 1, err
 
 
 def test_bad_checkpoints_are_refused_and_kept(runs, tmp_path, capsys):

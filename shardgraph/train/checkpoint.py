@@ -125,18 +125,20 @@ def latest(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def read_meta(path: Path, key: str = "checkpoint.resume") -> dict[str, Any]:
+def read_meta(path: Path, key: str = "checkpoint.resume", command: str = "train"
+              ) -> dict[str, Any]:
     if not path.is_dir():
         raise PlanError([Violation("checkpoint", (key,), f"checkpoint {str(path)!r} does not exist",
                                    hint="give the path of a step_* directory in checkpoint.dir")])
     if not is_complete(path):
         raise PlanError([Violation(
             "checkpoint", (key,), f"{str(path)!r} is not a complete checkpoint (no {META}): an "
-            "interrupted save", hint=_instead(path))])
+            "interrupted save", hint=_instead(path, command))])
     meta, problem = _read_meta(path)
     if problem is not None:
         raise PlanError([Violation("checkpoint", (key,), f"checkpoint {path} is damaged: "
-                                   f"{problem}", hint=_instead(path))], subject="[checkpoint]")
+                                   f"{problem}", hint=_instead(path, command))],
+                        subject="[checkpoint]")
     return meta
 
 
@@ -163,9 +165,13 @@ def previous(path: Path) -> Path | None:
     return next((p for p in reversed(older) if _structure_problem(p) is None), None)
 
 
-def _instead(path: Path) -> str:
-    """What to do about an unusable checkpoint: resume from the one before, or start fresh."""
+def _instead(path: Path, command: str = "train") -> str:
+    """What to do about an unusable checkpoint: resume from the one before, or start fresh
+    (``command`` "export": export the one before)."""
     prev = previous(path)
+    if command == "export":
+        return (f"export the previous complete checkpoint of that run, {prev}" if prev else
+                "no complete checkpoint of that run is left to export")
     fresh = ("start fresh with checkpoint.dir set to a new directory, or move "
              f"{path.name} out of {path.parent}")
     if prev is None:
@@ -203,15 +209,20 @@ def _show(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else repr(value)
 
 
-def check_compatible(meta: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+def check_compatible(meta: dict[str, Any], current: dict[str, Any], path: Path,
+                     key: str = "checkpoint.resume", command: str = "train") -> None:
     """Refuse ``path`` unless it was saved under ``current`` (``settings`` or a model's
-    ``fingerprint``): each differing key is named with both values."""
+    ``fingerprint``): each differing key is named with both values (``key``: what names the
+    checkpoint; ``command`` "export": the fix is the export's)."""
     saved = meta.get("settings")
     fresh = ("to start fresh, set checkpoint.dir to a new directory; to keep its weights "
              "under new settings, `shardgraph export` it and give the result as [model] path")
+    differing = f"set them back to resume; {fresh}"
+    if command == "export":
+        fresh = differing = "export it with the pipeline file its run was trained with"
     if not isinstance(saved, dict):
         raise PlanError([Violation(
-            "checkpoint", ("checkpoint.resume",), f"{path} records no settings (saved by an "
+            "checkpoint", (key,), f"{path} records no settings (saved by an "
             "older shardgraph): whether it fits this run cannot be checked", hint=fresh)],
             subject="[checkpoint]")
     sections = {k.split(".")[0] for k in current}
@@ -228,8 +239,8 @@ def check_compatible(meta: dict[str, Any], current: dict[str, Any], path: Path) 
     lines = "".join(f"\n      {k} = {_show(saved.get(k, '(unset)'))} in the checkpoint, "
                     f"{_show(current.get(k, '(unset)'))} now" for k in differ)
     raise PlanError([Violation(
-        "checkpoint", (*differ, "checkpoint.resume"), f"{path} was saved {what}:{lines}",
-        hint=f"set them back to resume; {fresh}")], subject="[checkpoint]")
+        "checkpoint", (*differ, key), f"{path} was saved {what}:{lines}",
+        hint=differing)], subject="[checkpoint]")
 
 
 def changed(meta: dict[str, Any], current: dict[str, Any]) -> str:
@@ -240,15 +251,15 @@ def changed(meta: dict[str, Any], current: dict[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def check_intact(path: Path) -> None:
+def check_intact(path: Path, key: str = "checkpoint.resume", command: str = "train") -> None:
     """Refuse a complete checkpoint whose files are missing or of another size than its
     manifest and ``.metadata`` say (a truncated copy, a disk error): found before launch, in
     one process, by sizes alone; ``verify`` reads the bytes."""
     problem = _structure_problem(path)
     if problem is not None:
-        raise PlanError([Violation("checkpoint", ("checkpoint.resume",),
+        raise PlanError([Violation("checkpoint", (key,),
                                    f"checkpoint {path} is damaged: {problem}",
-                                   hint=_instead(path))], subject="[checkpoint]")
+                                   hint=_instead(path, command))], subject="[checkpoint]")
 
 
 def _structure_problem(path: Path) -> str | None:

@@ -515,8 +515,10 @@ def _export_checks(pipeline: Pipeline, plan, checkpoint: Path, out: Path,
 
     bad: list[Violation] = []
     try:
-        ckpt.check_compatible(ckpt.read_meta(checkpoint, key="checkpoint"),
-                              fingerprint(pipeline.model), checkpoint)
+        meta = ckpt.read_meta(checkpoint, key="checkpoint", command="export")
+        ckpt.check_compatible(meta, fingerprint(pipeline.model), checkpoint, "checkpoint",
+                              "export")
+        ckpt.check_intact(checkpoint, "checkpoint", "export")
     except PlanError as exc:
         bad += exc.violations
     adapters = any(ckpt.ADAPTERS in plan.registry.get(s.plugin).provides for s in plan.steps)

@@ -17,8 +17,8 @@ def export_checkpoint(pipeline: Pipeline, path: Path, out: Path,
     """``out``: the HF directory (a LoRA model's adapters merged in); ``peft_out``: a LoRA
     model's adapters as a peft adapter directory (default: ``<out>-adapter`` when the plan
     adds adapters)."""
-    meta = ckpt.read_meta(path, key="checkpoint")
-    ckpt.check_compatible(meta, fingerprint(pipeline.model), path)
+    meta = ckpt.read_meta(path, key="checkpoint", command="export")
+    ckpt.check_compatible(meta, fingerprint(pipeline.model), path, "checkpoint", "export")
     world = dist.get_world_size() if dist.is_initialized() else 1
     # A DCP checkpoint loads under any plan: the pipeline's own, at this world size.
     plan = pipeline.graph.compile(world_size=world)
