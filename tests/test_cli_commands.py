@@ -358,3 +358,13 @@ def test_a_misspelt_size_is_one_problem_not_two(tmp_path, capsys):
     assert main(["plan", _write(tmp_path, "sise.toml", text)]) == 2
     err = capsys.readouterr().err
     assert "1 problem" in err and "did you mean 'size'?" in err and "inactive" not in err, err
+
+
+def test_a_checkpoint_given_by_resume_is_named_resume(tmp_path, capsys):
+    """``train --resume DIR`` where DIR is not a complete checkpoint: the problem names the flag
+    the user gave, not the file's checkpoint.resume."""
+    empty = tmp_path / "step_00000010"
+    empty.mkdir()
+    assert main(["train", _write(tmp_path, "t.toml", TINY), "--resume", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert "] --resume:" in err and "checkpoint.resume" not in err, err

@@ -148,7 +148,15 @@ def _launcher(args: argparse.Namespace) -> int:
         start()  # the workers' imports, beside the checks below
     # every problem of the file and the options at once (plan, model, data, checkpoint),
     # whatever the section, before anything is launched
-    check(pipeline, nproc, "--nproc", problems)
+    try:
+        check(pipeline, nproc, "--nproc", problems)
+    except PlanError as exc:
+        if getattr(args, "resume", None) is None:
+            raise
+        # the checkpoint --resume gave, named as the user gave it
+        raise PlanError([attrs.evolve(v, keys=tuple("--resume" if k == "checkpoint.resume" else k
+                                                    for k in v.keys)) for v in exc.violations],
+                        subject=exc.subject) from None
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise PlanError([Violation(
             "world-size", ("--nproc",), f"--nproc {nproc} but this node has "
