@@ -518,6 +518,7 @@ def _export_checks(pipeline: Pipeline, plan, checkpoint: Path, out: Path,
     problem at once: the checkpoint (there, complete, saved for this model) and the
     directories it writes (the adapters' only where the plan adds adapters)."""
     from . import checkpoint as ckpt
+    from .export import adapter_dir
     from .model import fingerprint
     from .preflight import export_dir_problems
 
@@ -532,12 +533,12 @@ def _export_checks(pipeline: Pipeline, plan, checkpoint: Path, out: Path,
     adapters = any(ckpt.ADAPTERS in plan.registry.get(s.plugin).provides for s in plan.steps)
     outputs = [("out", out, f"give a new directory, or move {out} away")]
     if adapters:
-        adapter_dir = peft or out.with_name(out.name + "-adapter")
-        outputs.append(("--peft", adapter_dir, f"give --peft a new directory, or move "
-                        f"{adapter_dir} away"))
+        adapters_out = peft or adapter_dir(out)
+        outputs.append(("--peft", adapters_out, f"give --peft a new directory, or move "
+                        f"{adapters_out} away"))
     elif peft is not None:
         bad.append(Violation("value", ("--peft",), f"--peft {peft}: this plan adds no adapters "
-                             "(no plugin provides low_rank_adapters): nothing would be written "
+                             f"(no plugin provides {ckpt.ADAPTERS}): nothing would be written "
                              "there", hint="remove --peft"))
     bad += export_dir_problems(outputs)
     if bad:

@@ -12,6 +12,11 @@ from .config import CheckpointConfig, Pipeline
 from .model import fingerprint, meta_model, weights
 
 
+def adapter_dir(out: Path) -> Path:
+    """Where a LoRA model's adapters go when ``--peft`` does not say: ``<out>-adapter``."""
+    return out.with_name(out.name + "-adapter")
+
+
 def export_checkpoint(pipeline: Pipeline, path: Path, out: Path,
                       peft_out: Path | None = None) -> list[Path]:
     """``out``: the HF directory (a LoRA model's adapters merged in); ``peft_out``: a LoRA
@@ -32,7 +37,7 @@ def export_checkpoint(pipeline: Pipeline, path: Path, out: Path,
 
     parallel = plan.apply(model, plan.build_mesh("cpu"), init=init)
     if ckpt.ADAPTERS in parallel.values and peft_out is None:
-        peft_out = out.with_name(out.name + "-adapter")
+        peft_out = adapter_dir(out)
     config = CheckpointConfig(export_hf=str(out),
                               export_peft=str(peft_out) if peft_out is not None else None)
     return ckpt.export(parallel, pipeline.model, config)
