@@ -297,17 +297,19 @@ class BatchShape:
 
     local_batch: int  # sequences per data-parallel rank
     micro_batches: int  # forward/backward passes per step (gradient accumulation)
-    seq_len: int
+    seq_len: int  # tokens of each sequence this rank holds (the sequence over cp)
     hidden: int  # the model's hidden size (activations exchanged between ranks)
     act_bytes: int = 4  # bytes per activation element
 
     @property
     def tokens(self) -> int:
+        """The tokens this rank runs in one step, all micro-batches together."""
         return self.local_batch * self.seq_len
 
 
 def collective(op: str, group: str, count: int, nbytes: int, what: str) -> list[dict[str, Any]]:
-    """One row of a ``collectives`` hook (none when ``count`` is 0)."""
+    """One row of a ``collectives`` hook (none when ``count`` is 0): ``count`` calls a step,
+    ``nbytes`` the bytes of their whole (gathered, unreduced) tensors, all calls together."""
     return [{"op": op, "group": group, "count": count, "bytes": int(nbytes), "what": what}] \
         if count else []
 

@@ -97,8 +97,8 @@ def collectives(parallel, pipeline: Pipeline, plan, ctx) -> list[dict[str, Any]]
     passes = 1 if parallel.runner is not None else local_batch // (t.micro_batch_size
                                                                    or local_batch)
     batch = BatchShape(local_batch=local_batch, micro_batches=passes,
-                       seq_len=pipeline.data.seq_len, hidden=getattr(config, "hidden_size", 0),
-                       act_bytes=torch.float32.itemsize)
+                       seq_len=pipeline.data.seq_len // max(lay.cp, 1),
+                       hidden=getattr(config, "hidden_size", 0), act_bytes=torch.float32.itemsize)
     rows: list[dict[str, Any]] = []
     for step in plan.steps:
         plugin = plan.registry.get(step.plugin)

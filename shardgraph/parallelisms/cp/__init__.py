@@ -34,6 +34,7 @@ from ...core.axes import Axis
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
+from ...core.values import BatchShape, collective
 from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -219,6 +220,25 @@ def _prepare_batch(batch: dict[str, Any], options: CPOptions, ctx: MeshContext,
     return shard_batch(batch, ctx.mesh(Axis.CP), options.load_balance)
 
 
+def _collectives(model: nn.Module, options: CPOptions, ctx: MeshContext, inputs: dict[str, Any],
+                 batch: BatchShape) -> list[dict[str, Any]]:
+    """Each attention layer all-gathers K and V over cp in forward (again where a checkpointed
+    block recomputes) and reduce-scatters their gradients in backward. (The model's own loss,
+    which the training step does not ask for, is summed over cp: not listed.)"""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", 0) or 1
+    head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    # K and V as attention sees them: this rank's heads (tp shards them), the whole sequence
+    width = kv_heads * head_dim // ctx.layout.tp
+    layers = sum(1 for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx"))
+    n = 2 * layers * batch.micro_batches
+    kv = 2 * layers * batch.tokens * ctx.layout.cp * width * batch.act_bytes
+    return (collective("all_gather", "cp", n, kv, "attention K and V (forward)")
+            + collective("reduce_scatter", "cp", n, kv, "attention K and V gradients (backward)"))
+
+
 def _cost(options: CPOptions, layout) -> Cost:
     if options.attention == "allgather":
         # K/V all-gathered forward, their gradients reduce-scattered backward
@@ -246,5 +266,6 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     prepare_batch=_prepare_batch,
+    collectives=_collectives,
     doc="context parallelism: sequence-sharded attention over the cp axis",
 )

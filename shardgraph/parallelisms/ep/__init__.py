@@ -131,8 +131,9 @@ def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs:
     from ._layers import moe_layers
 
     top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
-    n = 4 * len(moe_layers(model)) * batch.micro_batches
-    return collective("all_to_all", "ep", n, n * batch.tokens * top_k * batch.hidden
+    layers = len(moe_layers(model))
+    return collective("all_to_all", "ep", 4 * layers * batch.micro_batches,
+                      4 * layers * batch.tokens * top_k * batch.hidden
                       * batch.act_bytes, "MoE dispatch and combine, forward and backward")
 
 

@@ -26,7 +26,7 @@ from ...core.costs import Cost
 from ...core.blocks import blocks_violation, find_blocks, input_embeddings
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
-from ...core.values import SequenceSharding, TPLayout
+from ...core.values import BatchShape, SequenceSharding, TPLayout, collective
 from ...plugins import Kind, NoOptions, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -162,6 +162,30 @@ def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
     return args, kwargs
 
 
+def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[str, Any],
+                 batch: BatchShape) -> list[dict[str, Any]]:
+    """The sequence gathered into what tp split or what runs whole (forward; their gradients
+    come back replicated, so a slice needs no exchange), and gathered back behind what a
+    replicated layer's output was sliced from (backward); a sequence-sharded norm's partial
+    weight gradient is summed by the strategy's reduction in each backward (without a
+    strategy, dp * cp = 1, at the optimizer step: not listed). tp's rows are tp's."""
+    built = _sequence_styles(model, inputs["tensor_parallel"])
+    gathers = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) for s in built.values())
+    scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole)) for s in built.values())
+    modules = dict(model.named_modules())
+    norms = [p for fqn, s in built.items() if isinstance(s, styles.KeepFrozenSequenceParallel)
+             for p in modules[fqn].parameters()] if ctx.layout.dp * ctx.layout.cp > 1 else []
+    size = batch.tokens * batch.hidden * batch.act_bytes
+    mb = batch.micro_batches
+    return (collective("all_gather", "tp", gathers * mb, gathers * size,
+                       "sequence-sharded activations into attention, MLP (forward)")
+            + collective("all_gather", "tp", scatters * mb, scatters * size,
+                         "gradients of sequence slices of replicated outputs (backward)")
+            + collective("all_reduce", "tp", len(norms) * mb,
+                         mb * sum(p.numel() * p.element_size() for p in norms),
+                         "partial gradients of sequence-sharded norms (backward)"))
+
+
 def _cost(options, layout) -> Cost:
     # tp's reductions become all-gathers and reduce-scatters of the same traffic
     return Cost(splits_sequence=True)
@@ -180,5 +204,6 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     export=_export,
+    collectives=_collectives,
     doc="sequence parallelism: norms SequenceParallel, activations re-laid-out around attention/MLP",
 )

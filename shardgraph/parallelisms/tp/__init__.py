@@ -251,25 +251,56 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
 
 def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
-    """Rowwise linears sum partial outputs in forward, colwise ones input gradients in
-    backward; under sequence parallelism as reduce-scatter / all-gather pairs."""
-    import torch.nn as nn
-    from torch.distributed.tensor import DTensor
-
-    rowwise = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        names = w.device_mesh.mesh_dim_names or () if isinstance(w, DTensor) else ()
-        if isinstance(m, nn.Linear) and "tp" in names \
-                and w.placements[names.index("tp")].is_shard(1):
-            rowwise += 1
+    """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted
+    in tests/test_collectives_counted.py): a rowwise layer's partial output is summed (reduce-scattered
+    along the sequence under sp, whose backward gathers the gradient back); every colwise
+    linear's input gradient is summed in backward (under sp the head's reduce-scattered); a
+    gathered colwise output (the logits unless ``loss_parallel``) is all-gathered; a replicated
+    parameter's partial gradient (a per-head q/k norm's) is all-reduced. A checkpointed block
+    issues its forward's again when it recomputes; sp's own gathers are sp's rows. A partial
+    gradient is summed by the strategy's reduction in each backward; without a strategy
+    (dp * cp = 1) at the optimizer step, not listed."""
     sp = inputs.get("sequence_parallel") is not None
-    n = rowwise * batch.micro_batches
-    size = n * batch.tokens * batch.hidden * batch.act_bytes
-    return (collective("reduce_scatter" if sp else "all_reduce", "tp", n, size,
-                       "rowwise linear outputs (forward)")
-            + collective("all_gather" if sp else "all_reduce", "tp", n, size,
-                         "rowwise linear input gradients (backward)"))
+    resolved = _resolve(model, options, ctx.tp_size)
+    modules = dict(model.named_modules())
+    mb, tokens, act = batch.micro_batches, batch.tokens, batch.act_bytes
+    rowwise = colwise = gathered = head_in = grads = 0
+    n_row = n_col = n_gather = n_grads = 0
+    for fqn, style in resolved.matched.items():
+        m = modules[fqn]
+        if style in ("rowwise", "rowwise_rep", "embedding_rowwise"):
+            n_row += 1
+            rowwise += tokens * batch.hidden * act
+        elif style in ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"):
+            head = fqn == resolved.head
+            if head and sp:
+                head_in += tokens * m.in_features * act
+            else:
+                n_col += 1
+                colwise += tokens * m.in_features * act
+            if style != "colwise" and style != "packed_colwise" and not (
+                    head and options.loss_parallel):
+                n_gather += 1
+                gathered += tokens * m.out_features * act
+        elif style == "replicated_with_grad_allreduce" and ctx.layout.dp * ctx.layout.cp > 1:
+            for p in m.parameters():
+                n_grads += 1
+                grads += p.numel() * p.element_size()
+    heads = int(head_in > 0)
+    return (collective("reduce_scatter" if sp else "all_reduce", "tp", n_row * mb, rowwise,
+                       "rowwise layers' partial outputs (forward)")
+            + collective("all_gather", "tp", heads * mb, head_in,
+                         "the LM head's sequence-sharded input (forward)")
+            + collective("all_gather", "tp", n_gather * mb, gathered,
+                         "gathered colwise outputs: the logits (forward)")
+            + (collective("all_gather", "tp", n_row * mb, rowwise,
+                          "rowwise layers' output gradients (backward)") if sp else [])
+            + collective("all_reduce", "tp", n_col * mb, colwise,
+                         "colwise linears' input gradients (backward)")
+            + collective("reduce_scatter", "tp", heads * mb, head_in,
+                         "the LM head's input gradient (backward)")
+            + collective("all_reduce", "tp", n_grads * mb, mb * grads,
+                         "partial gradients of replicated parameters (backward)"))
 
 
 def _loss_context(options: TPOptions):

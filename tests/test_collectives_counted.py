@@ -1,0 +1,102 @@
+"""The dry run's collectives against what torch issues: a real gloo step of tp, sp and cp
+(the training step's forward and backward of two micro-batches) counted at the dispatcher, group by group, call by
+call and byte by byte, against the rows ``shardgraph dryrun`` prints for the same plan
+(``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the runtime's own
+reductions (token count, loss, gradient norm) are not compared here."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from tests import _dist
+
+SEQ, BATCH, MICRO = 8, 4, 2  # one data-parallel rank's batch, in two micro-batches
+CASES = {  # name -> (model, plan), world 2 and world 4
+    2: {"llama_tp": ("llama", "[plugins.tp]\nsize = 2\n"),
+        "llama_tp_sp": ("llama", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
+        "qwen3_tp": ("qwen3", "[plugins.tp]\nsize = 2\n"),
+        "qwen3_tp_sp_loss_parallel": ("qwen3", "[plugins.tp]\nsize = 2\nloss_parallel = true\n"
+                                               "[plugins.sp]\n"),
+        "llama_cp": ("llama", "[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n")},
+    4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
+                                    "[plugins.sp]\n[plugins.fsdp2]\n")},
+}
+GROUPS = ("tp", "cp")
+
+
+def _counter():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        """(op, group name) -> [calls, bytes of the whole tensor] for every collective."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = collections.defaultdict(lambda: [0, 0])
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__.strip("_")
+            op = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor":
+                  "reduce_scatter", "all_reduce": "all_reduce", "allreduce": "all_reduce"}.get(name)
+            if op is not None:
+                group = next(a if isinstance(a, str) else a.group_name for a in reversed(args)
+                             if isinstance(a, str) or hasattr(a, "group_name"))
+                tensors = [t for t in (args[0], out) for t in (t if isinstance(t, (list, tuple))
+                                                               else [t])
+                           if isinstance(t, torch.Tensor)]
+                row = self.seen[op, group]
+                row[0] += 1
+                row[1] += max(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    return Count()
+
+
+def run_cases(rank: int, world: int) -> dict:
+    from shardgraph.graphs.runtime import shift_labels
+    from shardgraph.train.config import loads_pipeline
+    from shardgraph.train.dryrun import collectives
+    from tests.models import batch, tiny_llama, tiny_qwen3
+
+    out = {}
+    for name, (model, plan_text) in CASES[world].items():
+        plan = loads_pipeline(plan_text).graph.compile(world_size=world)
+        ctx = plan.build_mesh("cpu")
+        parallel = plan.apply({"llama": tiny_llama, "qwen3": tiny_qwen3}[model](), ctx)
+        lay = ctx.layout
+        pipeline = loads_pipeline(f"[data]\nseq_len = {SEQ}\n[train]\nglobal_batch_size = "
+                                  f"{BATCH * lay.dp}\nmicro_batch_size = {MICRO}\n" + plan_text)
+        dp = ctx.mesh("dp") if lay.dp > 1 else None
+        tokens = batch(global_batch=BATCH * (dp.size() if dp else 1), seq=SEQ)
+        local = tokens.chunk(dp.size())[dp.get_local_rank()] if dp else tokens
+        names = {ctx.mesh(g).get_group().group_name: g for g in GROUPS if getattr(lay, g) > 1}
+        count = _counter()
+        with count:
+            for ids in local.split(MICRO):  # the training step's own path (runtime.py)
+                parallel.forward_backward(ids, shift_labels(ids), parallel.token_loss())
+        measured = {(op, names[g]): row for (op, g), row in count.seen.items() if g in names}
+        declared = collections.defaultdict(lambda: [0, 0])
+        for row in collectives(parallel, pipeline, plan, ctx):
+            if row["group"] in GROUPS:
+                declared[row["op"], row["group"]][0] += row["count"]
+                declared[row["op"], row["group"]][1] += row["bytes"]
+        out[name] = {"measured": {k: tuple(v) for k, v in measured.items()},
+                     "declared": {k: tuple(v) for k, v in declared.items()}}
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def counted(request):
+    return _dist.run(run_cases, request.param, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_the_dry_runs_tp_sp_and_cp_rows_are_what_torch_issues(counted):
+    for rank, cases in enumerate(counted):
+        for name, got in cases.items():
+            assert got["measured"], (rank, name)  # the counter saw the step's collectives
+            assert got["declared"] == got["measured"], (rank, name, got)
