@@ -116,7 +116,7 @@ def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]
             if is_norm(child):
                 out[path] = styles.KeepFrozenSequenceParallel(use_local_output=True)
             elif any(p.startswith(path + ".") for p in planned):
-                out[path] = styles.GatherSequence()  # its rowwise projection reduce-scatters
+                out[path] = styles.GatherSequence(local=False)  # its rowwise reduce-scatters
             elif any(True for _ in child.parameters()):
                 # Computed whole on every rank, so its parameter gradients agree.
                 out[path] = styles.Whole()
@@ -164,13 +164,16 @@ def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
 
 def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
-    """The sequence gathered into what tp split or what runs whole (forward; their gradients
-    come back replicated, so a slice needs no exchange), and gathered back behind what a
-    replicated layer's output was sliced from (backward); a sequence-sharded norm's partial
+    """The sequence gathered into what tp split (forward; the input gradients of the colwise
+    linears inside sum to one partial gradient, reduce-scattered back in backward) or what runs
+    whole (its gradient comes back replicated: a slice needs no exchange), and gathered back
+    behind what a replicated layer's output was sliced from (backward); a sequence-sharded
+    norm's partial
     weight gradient is summed by the strategy's reduction in each backward (without a
     strategy, dp * cp = 1, at the optimizer step: not listed). tp's rows are tp's."""
     built = _sequence_styles(model, inputs["tensor_parallel"])
     gathers = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) for s in built.values())
+    partial = sum(isinstance(s, styles.GatherSequence) and not s.local for s in built.values())
     scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole)) for s in built.values())
     modules = dict(model.named_modules())
     norms = [p for fqn, s in built.items() if isinstance(s, styles.KeepFrozenSequenceParallel)
@@ -179,6 +182,8 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     mb = batch.micro_batches
     return (collective("all_gather", "tp", gathers * mb, gathers * size,
                        "sequence-sharded activations into attention, MLP (forward)")
+            + collective("reduce_scatter", "tp", partial * mb, partial * size,
+                         "their gradients, summed over the linears inside (backward)")
             + collective("all_gather", "tp", scatters * mb, scatters * size,
                          "gradients of sequence slices of replicated outputs (backward)")
             + collective("all_reduce", "tp", len(norms) * mb,

@@ -19,11 +19,18 @@ class GatherSequence(ParallelStyle):
     (transformers calls attention with keywords and the MLP positionally).
     """
 
+    def __init__(self, local: bool = True):
+        super().__init__()
+        #: False: hand the module a replicated DTensor, so that the input gradients of the
+        #: colwise linears inside sum as one partial DTensor, reduce-scattered once
+        self.local = local
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(x):
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-            return x.redistribute(placements=[Replicate()]).to_local()
+            x = x.redistribute(placements=[Replicate()])
+            return x.to_local() if self.local else x
 
         def hook(mod, args, kwargs):
             if args:

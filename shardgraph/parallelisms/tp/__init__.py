@@ -246,7 +246,20 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
             parallelize_module(modules[fqn], tp_mesh, built)
         styles.distribute_adapters(children, adapters, style, tp_mesh)
     _retie(model, tied)
+    for parent in _sharing(resolved, modules):
+        styles.share_input_reduction(modules[parent], layout, tp_mesh)
     return Applied(model, values={"tensor_parallel": layout})
+
+
+_COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise")
+
+
+def _sharing(resolved: _Resolved, modules: dict[str, nn.Module]) -> list[str]:
+    """The modules (attention, MLP) around colwise linears other than the head, which tp does
+    not split itself: each sums its linears' input gradients once."""
+    parents = {fqn.rpartition(".")[0] for fqn, style in resolved.matched.items()
+               if style in _COLWISE and fqn != resolved.head}
+    return sorted(p for p in parents if p and p in modules and p not in resolved.matched)
 
 
 def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any],
@@ -254,7 +267,9 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted
     in tests/test_collectives_counted.py): a rowwise layer's partial output is summed (reduce-scattered
     along the sequence under sp, whose backward gathers the gradient back); every colwise
-    linear's input gradient is summed in backward (under sp the head's reduce-scattered); a
+    linear's input gradient is summed in backward, once for the module around them (attention,
+    MLP: ``share_input_reduction``), under sp the head's reduce-scattered and the others' by
+    sp's gather (sp's rows); a
     gathered colwise output (the logits unless ``loss_parallel``) is all-gathered; a replicated
     parameter's partial gradient (a per-head q/k norm's) is all-reduced. A checkpointed block
     issues its forward's again when it recomputes; sp's own gathers are sp's rows. A partial
@@ -266,16 +281,21 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     mb, tokens, act = batch.micro_batches, batch.tokens, batch.act_bytes
     rowwise = colwise = gathered = head_in = grads = 0
     n_row = n_col = n_gather = n_grads = 0
+    shared: dict[str, int] = {}  # module -> the bytes of its input gradient
+    sharing = set(_sharing(resolved, modules))
     for fqn, style in resolved.matched.items():
         m = modules[fqn]
         if style in ("rowwise", "rowwise_rep", "embedding_rowwise"):
             n_row += 1
             rowwise += tokens * batch.hidden * act
-        elif style in ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"):
+        elif style in _COLWISE:
             head = fqn == resolved.head
             if head and sp:
                 head_in += tokens * m.in_features * act
-            else:
+            elif not sp and fqn.rpartition(".")[0] in sharing:
+                # the module around it sums its linears' input gradients once
+                shared[fqn.rpartition(".")[0]] = tokens * m.in_features * act
+            elif not sp:
                 n_col += 1
                 colwise += tokens * m.in_features * act
             if style != "colwise" and style != "packed_colwise" and not (
@@ -295,8 +315,10 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                          "gathered colwise outputs: the logits (forward)")
             + (collective("all_gather", "tp", n_row * mb, rowwise,
                           "rowwise layers' output gradients (backward)") if sp else [])
+            + collective("all_reduce", "tp", len(shared) * mb, sum(shared.values()),
+                         "input gradients of the modules around colwise linears (backward)")
             + collective("all_reduce", "tp", n_col * mb, colwise,
-                         "colwise linears' input gradients (backward)")
+                         "other colwise linears' input gradients (backward)")
             + collective("reduce_scatter", "tp", heads * mb, head_in,
                          "the LM head's input gradient (backward)")
             + collective("all_reduce", "tp", n_grads * mb, mb * grads,

@@ -12,6 +12,7 @@ import fnmatch
 from collections.abc import Mapping
 
 import attrs
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -267,3 +268,25 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
         module.register_forward_pre_hook(to_dtensor)
         module.register_forward_hook(to_local)
         return module
+
+
+def share_input_reduction(module: nn.Module, layout: TPLayout, device_mesh: DeviceMesh) -> None:
+    """Hand ``module`` (attention, an MLP: the parent of colwise linears) its replicated hidden
+    states as a DTensor, so that its linears' input gradients add up as one partial gradient,
+    all-reduced once in backward (Megatron's ``f``), not once per linear. Under sp its input is
+    sequence-sharded and sp's gather does the same; an input that is not the hidden states
+    (positionally first or ``hidden_states=``) is left alone."""
+
+    def replicate(x):
+        if layout.sequence_sharded or not torch.is_tensor(x) or isinstance(x, DTensor):
+            return x
+        return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+
+    def hook(mod, args, kwargs):
+        if args:
+            return (replicate(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
