@@ -29,11 +29,27 @@ REJECTED = {
                     {"conflicts"}),
     "ddp-replicate": ('[distributed]\nstrategy = "ddp"\ndp_replicate_size = 2\n', 8, 8,
                       {"conflicts"}),
+    # sp's need of tensor_parallel holds however the conflict is fixed: one round, not two
     "ddp-sp": ('[distributed]\nstrategy = "ddp"\nsequence_parallel = true\n', 4, 8,
-               {"conflicts"}),
+               {"conflicts", "requires"}),
+    "ddp-sp-graph": (g("ddp", "sp"), 4, 8, {"conflicts", "requires"}),
+    # no world size: what holds at any world size > 1 comes with it (ddp spans every rank)
+    "no-world-ddp-sp": (g("ddp", "sp"), None, 8, {"size", "conflicts", "requires"}),
+    "no-world-option": (g(("ddp", {"bucket_cap_mb": -1})), None, 8, {"size", "option"}),
+    # ...but not what only a world size decides (dp = 1 at world size 2: ddp idle)
+    "no-world-ddp-tp": (g("ddp", ("tp", {"size": 2})), None, 8, {"size"}),
+    # a wrong type leaves the other options of the same plugin judged
+    "type-beside-schedule": (g("fsdp2", ("pp", {"size": 2, "schedule": "1f1x",
+                                                "microbatch_size": "x"})), 8, 8,
+                             {"type", "option"}),
+    "size-type-beside-schedule": (g("fsdp2", ("tp", {"size": "2"}),
+                                    ("pp", {"size": "2", "schedule": "1f1x"})), 8, 8,
+                                  {"type", "option"}),
     "ddp-ep": (g("ddp", ("ep", {"size": 2})), 2, 8, {"conflicts"}),
+    # (the conflict holds whatever tp_sizee and cp_size meant; the requirement may not)
     "typo-beside-requirement": ('[distributed]\nstrategy = "ddp"\ntp_sizee = 2\ncp_size = 0\n'
-                                'sequence_parallel = true\n', 6, 8, {"unknown-key", "size"}),
+                                'sequence_parallel = true\n', 6, 8,
+                                {"unknown-key", "size", "conflicts"}),
     "bad-world-hides-no-size": (g("ddp", ("tp", {"size": 4}), "sp"), 6, 8,
                                 {"world-size"}),
     "ep-tp": (g("fsdp2", ("ep", {"size": 2}), ("tp", {"size": 2})), 8, 8, {"conflicts"}),

@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from .axes import FLATTENED, Axis
+from .axes import DENSE_AXES, FLATTENED, Axis
 from .errors import Violation
 from .layout import MeshLayout
 
@@ -84,6 +84,20 @@ class DerivedMesh:
         if parts & self.unknown:
             return None
         return self.layout.degree(axis)
+
+    def spans_world(self, axis: Axis) -> bool:
+        """Whether a plugin owning ``axis`` works over every rank whatever the world size: a
+        data-parallel axis beside pp, tp (and, for ``dp_shard``, dp_replicate) degrees that are
+        known to be 1. Its degree is then the world size, > 1 at any world size > 1, even
+        when the world size (or cp's degree) is not known."""
+        axis = Axis(axis)
+        merged = {Axis.DP: FLATTENED[Axis.DP_CP],
+                  Axis.DP_SHARD: FLATTENED[Axis.DP_SHARD_CP]}.get(axis)
+        if merged is None:
+            return False
+        rest = [a for a in DENSE_AXES if a not in merged]
+        return not set(rest) & self.unknown and all(
+            self.owners[a].size == 1 for a in rest if a in self.owners and self.owners[a].size_key)
 
 
 def positive(value: Any, key: str, bad: list[Violation], *, what: str = "") -> int | None:

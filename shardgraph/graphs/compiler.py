@@ -68,6 +68,8 @@ class _Resolved:
     active: bool = False
     #: False when ``active`` is a guess: its degree is unknown after another violation
     certain: bool = True
+    #: the options the user gave that are already reported (a wrong type, an unknown name)
+    failed: frozenset[str] = frozenset()
 
 
 def compile_graph(
@@ -92,9 +94,15 @@ def compile_graph(
         layout = attrs.evolve(layout, mesh_axes=own_mesh[0])
     _check_capabilities(resolved, unresolved, mesh, graph, registry, bad)
     for r in active:
-        # A plugin whose options or own degree are already reported bad has nothing to check.
-        if r.plugin.check is not None and r.options is not None and r.plugin.axis not in mesh.unknown:
+        if r.plugin.check is None:
+            continue
+        if r.options is not None and r.plugin.axis not in mesh.unknown:
             bad += [_locate(v, r, graph) for v in r.plugin.check(r.options, layout, settings)]
+        else:
+            # Options already reported bad, or a degree left unknown: the rules that read only
+            # the other options the user gave are still judged (a schedule's name beside a
+            # wrong type); one that reads a size or a setting too may be a consequence.
+            bad += _given_option_violations(r, layout, settings, graph)
     steps = _order([r for r in active if r.options is not None], bad)
     if bad:
         raise PlanError(bad)
@@ -171,8 +179,22 @@ def _resolve(entries, registry: Registry, bad: list[Violation]):
         plugin = registry.get(entry.name)
         options, problems = structure_options(plugin.options, entry.options, entry.origin, plugin.name)
         bad += problems
-        out.append(_Resolved(entry, plugin, options))
+        reported = {k for v in problems for k in v.keys}
+        failed = frozenset(k for k in entry.options if entry.origin(k) in reported)
+        out.append(_Resolved(entry, plugin, options, failed=failed))
     return out, unresolved
+
+
+def _given_option_violations(r: _Resolved, layout: MeshLayout, settings: Settings,
+                             graph: Graph) -> list[Violation]:
+    """``r``'s own rules on the options the user gave, its size and the options already
+    reported left out (they take their defaults): only the violations that name nothing else."""
+    given = {k: v for k, v in r.entry.options.items() if k not in r.failed and k != "size"}
+    options, problems = structure_options(r.plugin.options, given, r.entry.origin, r.plugin.name)
+    if options is None or problems:
+        return []
+    return [_locate(v, r, graph) for v in r.plugin.check(options, layout, settings)
+            if v.keys and set(v.keys) <= set(given)]
 
 
 def _mesh_request(graph: Graph, resolved, world_size, gpus_per_node) -> MeshRequest:
@@ -202,7 +224,10 @@ def _mesh_request(graph: Graph, resolved, world_size, gpus_per_node) -> MeshRequ
 
 def _activate(resolved, mesh: DerivedMesh, bad) -> list[_Resolved]:
     """A plugin is active when its axis has degree > 1; at world size 1 only policies are.
-    A degree another violation left unknown counts as active: the user asked for it."""
+    A degree another violation left unknown counts as active: the user asked for it. A world
+    size not given (or refused) is judged as any world size > 1: a plugin without an axis, or
+    a strategy beside model-parallel degrees of 1, is then active for certain, so the rules
+    between such plugins are judged now rather than in the next round."""
     multi = not mesh.world_known or mesh.layout.world_size > 1
     out = []
     for r in resolved:
@@ -210,9 +235,11 @@ def _activate(resolved, mesh: DerivedMesh, bad) -> list[_Resolved]:
         if p.axis is not None:
             degree = mesh.degree(p.axis)
             active, certain = degree is None or degree > 1, degree is not None
+            if degree is None and multi and mesh.spans_world(p.axis):
+                certain = True  # its degree is the world size, whatever else went wrong
         else:
             active = multi or p.kind is Kind.POLICY
-            certain = mesh.world_known or p.kind is Kind.POLICY
+            certain = True
         if p.sized and not active:
             # an unknown key is its own problem (unknown-key), not an option without effect
             known = attrs.fields_dict(p.options) if attrs.has(p.options) else r.entry.options
@@ -246,8 +273,10 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
                         registry: Registry, bad) -> None:
     """Strategies, conflicts and requirements. What may be a consequence of a reported problem
     is not repeated: a conflict with a plugin whose degree is unknown (its size may be fixed to
-    1), a requirement of a plugin already in a conflict, one that a plugin of unknown degree or
-    an unresolved entry may satisfy. A hint names only fixes the other rules would accept."""
+    1), a requirement that a fix of a reported conflict meets (ep's 'fully_shard' under ddp:
+    use fsdp2 instead), one that a plugin of unknown degree or an unresolved entry may satisfy.
+    A requirement no such fix meets is reported beside the conflict (sp's 'tensor_parallel'
+    under ddp holds whichever way the conflict is fixed). A hint names only fixes the other rules would accept."""
     active = [r for r in resolved if r.active]
     strategies = [r for r in resolved if r.plugin.kind is Kind.STRATEGY]
     if len(strategies) > 1:
@@ -272,7 +301,10 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
             hint=(f"add a strategy ({', '.join(fits)}), or " if fits else "")
             + "raise the model-parallel degrees so that dp * cp = 1",
         ))
-    in_conflict: set[str] = set()
+    # plugin -> the plugins it conflicts with, and what the conflicts' fixes that keep it
+    # would bring (a strategy's stand-in): a requirement such a fix meets is a consequence
+    partners: dict[str, set[str]] = {}
+    rescued: dict[str, set[str]] = {}
     reported = set()
     for r in active:
         conflicts = _flags(r, "conflicts")
@@ -283,11 +315,14 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
             if other is r or not clash or pair in reported or not (r.certain and other.certain):
                 continue
             reported.add(pair)
-            in_conflict |= pair
+            partners.setdefault(r.plugin.name, set()).add(other.plugin.name)
+            partners.setdefault(other.plugin.name, set()).add(r.plugin.name)
             # a flag an option sets: that option is the key and its fix comes first
             set_by = [(e, f) for e, flags in ((other, provides), (r, conflicts))
                       for f in (flags[c] for c in sorted(clash)) if f is not None]
-            hint = _conflict_hint(r, other, active, registry)
+            hint, stand_ins = _conflict_hint(r, other, active, registry)
+            rescued.setdefault(other.plugin.name, set()).update(
+                cap for cand in stand_ins for cap in registry.get(cand).provides)
             bad.append(Violation(
                 "conflicts", tuple(dict.fromkeys(e.entry.origin(f.key) for e, f in set_by))
                 or (r.entry.path, other.entry.path),
@@ -302,10 +337,12 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
         for cap in r.plugin.provides:
             providers.setdefault(cap, []).append(r)
     for r in active:
-        if r.plugin.name in in_conflict or not r.certain or unread:
+        if not r.certain or unread:
             continue
         for need in sorted(r.plugin.requires):
             if [p for p in providers.get(need, []) if p is not r]:
+                continue
+            if need in rescued.get(r.plugin.name, ()):
                 continue
             if any(_may_provide(u, need, registry) for u in unresolved):
                 continue
@@ -314,7 +351,9 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
                 "requires", (r.entry.path,),
                 f"{r.plugin.name} requires {need!r}, which no active plugin provides"
                 + "".join(f" ({p.plugin.name} provides it but has size 1)" for p in idle),
-                hint=_requires_hint(r, need, idle, resolved, registry), plugin=r.plugin.name,
+                hint=_requires_hint(r, need, idle, resolved, registry,
+                                    partners.get(r.plugin.name, set())),
+                plugin=r.plugin.name,
             ))
 
 
@@ -326,7 +365,10 @@ def _may_provide(entry: Entry, need: str, registry: Registry) -> bool:
     return bool(difflib.get_close_matches(entry.name, names, n=1, cutoff=0.6))
 
 
-def _requires_hint(r: _Resolved, need: str, idle, resolved, registry: Registry) -> str:
+def _requires_hint(r: _Resolved, need: str, idle, resolved, registry: Registry,
+                   contested: set[str]) -> str:
+    """``contested``: the plugins ``r`` conflicts with, whose fate that conflict's fix decides
+    (a stand-in must not be refused for clashing with them)."""
     remove = f"remove {r.plugin.name}"
     if idle:
         p = idle[0]
@@ -334,7 +376,8 @@ def _requires_hint(r: _Resolved, need: str, idle, resolved, registry: Registry) 
             return f"set {p.entry.origin('size')} > 1, or {remove}"
         return remove
     present = {x.plugin.name for x in resolved}
-    others = [x for x in resolved if x.active and x is not r]
+    others = [x for x in resolved if x.active and x is not r
+              and x.plugin.name not in contested]
     fixes = []
     for cand in registry:
         if need not in cand.provides or cand.name in present:
@@ -355,12 +398,14 @@ def _provided(kept, cand: Plugin) -> frozenset[str]:
     return frozenset(cap for x in kept for cap in x.plugin.provides) | cand.provides
 
 
-def _conflict_hint(r: _Resolved, other: _Resolved, active, registry: Registry) -> str:
+def _conflict_hint(r: _Resolved, other: _Resolved, active,
+                   registry: Registry) -> tuple[str, list[str]]:
+    """The hint, and the stand-ins for ``r`` it names."""
     drop = f"remove {other.plugin.name}"
     if other.plugin.sized:
         drop += f" (or set {other.entry.origin('size')} = 1)"
     if r.plugin.kind is not Kind.STRATEGY:  # only a strategy has stand-ins (one per plan)
-        return drop
+        return drop, []
     rest = [x.plugin for x in active if x is not r]
     alternatives = [
         cand.name for cand in registry
@@ -370,8 +415,9 @@ def _conflict_hint(r: _Resolved, other: _Resolved, active, registry: Registry) -
         and not cand.requires - frozenset(c for x in rest for c in x.provides)
     ]
     if alternatives:
-        return f"{drop}, or use {' or '.join(alternatives)} instead of {r.plugin.name}"
-    return drop
+        return f"{drop}, or use {' or '.join(alternatives)} instead of {r.plugin.name}", \
+            alternatives
+    return drop, []
 
 
 def _order(active: list[_Resolved], bad) -> list[Step]:
