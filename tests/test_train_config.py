@@ -60,6 +60,23 @@ def test_bad_training_keys_are_named(text, key, rule):
     assert key in err.value.keys and rule in err.value.rules
 
 
+@pytest.mark.parametrize("text, key, hint", [
+    ("[train]\neps = \"small\"", "train.eps", "give eps a number, or leave it out"),
+    ("[train]\nsteps = 2.5", "train.steps", "give steps an integer"),
+    ("[train]\nbetas = 0.9", "train.betas", "give betas a list of numbers, or leave it out"),
+    ("[checkpoint]\nasync = \"yes\"", "checkpoint.async", "give async true or false"),
+    ("[plugins.fsdp2]\nreshard_after_forward = 1", "plugins.fsdp2.reshard_after_forward",
+     "give reshard_after_forward true or false, or leave it out"),
+    ("[distributed]\ntp_size = \"2\"", "distributed.tp_size", "give tp_size an integer"),
+])
+def test_a_wrong_type_is_answered_with_what_to_write(text, key, hint):
+    """The fix names what a TOML user writes, not a Python annotation (``float | None``)."""
+    with pytest.raises(PlanError) as err:
+        loads_pipeline(text).graph.compile(world_size=2)  # the plan's options: at compile
+    [found] = [v for v in err.value.violations if key in v.keys]
+    assert found.rule == "type" and found.hint == hint
+
+
 def test_all_problems_at_once_with_plan_problems():
     with pytest.raises(PlanError) as err:
         loads_pipeline("[train]\nstepz = 1\n[data]\nseq_len = \"x\"\n[plugins.fsdp3]\n"

@@ -96,15 +96,41 @@ def _leaves(group: cattrs.ClassValidationError) -> list[tuple[str, BaseException
     return [(note.name, exc) for exc, note in failed]
 
 
+#: a Python type as a TOML user writes its values
+_SPELLED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+            "dict": "a table", "list": "a list"}
+
+
+def spelled(annotation: Any) -> str:
+    """What a value of ``annotation`` looks like in TOML: ``float | None`` -> ``a number, or
+    leave it out``; ``list[float]`` -> ``a list of numbers``."""
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    parts = [t.strip() for t in text.split("|")]
+    words = [_spelled_one(t) for t in parts if t != "None"]
+    said = " or ".join(words) if words else "nothing"
+    return said + (", or leave it out" if "None" in parts else "")
+
+
+def _spelled_one(text: str) -> str:
+    head, _, inner = text.partition("[")
+    if head == "list" and inner:
+        item = _spelled_one(inner[:-1]).removeprefix("an ").removeprefix("a ")
+        plural = {"true or false": "true or false values", "list of strings": "lists of strings"}
+        return f"a list of {plural.get(item, item + 's')}"
+    if head == "Any":
+        return "a value"
+    return _SPELLED.get(head, head)
+
+
 def _to_violation(item, origin, plugin: str, cls: type) -> Violation:
     name, exc = item
     field = attrs.fields_dict(cls).get(name)
-    expected = getattr(field.type, "__name__", str(field.type)) if field else "?"
+    key = origin(name)
     return Violation(
         rule="type",
-        keys=(origin(name),),
+        keys=(key,),
         message="; ".join(_messages(exc)),
-        hint=f"give {name} a value of type {expected}",
+        hint=f"give {key.rsplit('.', 1)[-1]} {spelled(field.type) if field else 'a value'}",
         plugin=plugin,
     )
 
