@@ -12,15 +12,19 @@ import json
 
 from ..core.errors import PlanError, Violation
 from ..planner.render import render_candidates, render_estimate
-from ..train.config import load_pipeline
+from ..train.config import read_pipeline
 
 
-def _world(args: argparse.Namespace, pipeline) -> int:
-    world = args.world_size if args.world_size is not None else pipeline.graph.world_size
-    if world is None:
-        raise PlanError([Violation("size", ("--world-size",), "no world size given",
-                                   hint="pass --world-size N (or set [mesh] world_size)")])
-    return world
+def _read(path: str):
+    """The pipeline of ``path`` and the problems of its training sections (the plan's ride on
+    ``pipeline.graph.problems``): reported with the plan's and [cluster]'s, all at once."""
+    return read_pipeline(path, reads_data=False)
+
+
+def _world(args: argparse.Namespace, pipeline) -> int | None:
+    """The world size, None when none is given (the compile reports it, naming --world-size,
+    beside what holds at any world size)."""
+    return args.world_size if args.world_size is not None else pipeline.graph.world_size
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -42,9 +46,10 @@ def estimate_arguments(p: argparse.ArgumentParser) -> None:
 def run_estimate(args: argparse.Namespace) -> int:
     from ..planner.predict import estimate
 
-    pipeline = load_pipeline(args.file, reads_data=False)
+    pipeline, problems = _read(args.file)
     est = estimate(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
-                   gpu=args.gpu, world_key="--world-size", gpus_per_node_key="--gpus-per-node")
+                   gpu=args.gpu, world_key="--world-size", gpus_per_node_key="--gpus-per-node",
+                   problems=problems)
     print(json.dumps(est) if args.json else render_estimate(est))
     return 0
 
@@ -61,11 +66,16 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
 def run_auto(args: argparse.Namespace) -> int:
     from ..planner.search import autoplan
 
+    # the options' problems and the file's, in one report
+    pipeline, problems = _read(args.file)
     if args.top < 1:
-        raise PlanError([Violation("value", ("--top",), f"--top must be >= 1, got {args.top}",
-                                   hint="e.g. --top 5")])
-    pipeline = load_pipeline(args.file, reads_data=False)
-    result = autoplan(pipeline, _world(args, pipeline), gpus_per_node=args.gpus_per_node,
-                      gpu=args.gpu, top=args.top, gpus_per_node_key="--gpus-per-node")
+        problems.append(Violation("value", ("--top",), f"--top must be >= 1, got {args.top}",
+                                  hint="e.g. --top 5"))
+    world = _world(args, pipeline)
+    if world is None:
+        problems.append(Violation("size", ("--world-size",), "no world size given",
+                                  hint="pass --world-size N (or set [mesh] world_size)"))
+    result = autoplan(pipeline, world, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                      top=args.top, gpus_per_node_key="--gpus-per-node", problems=problems)
     print(json.dumps(result) if args.json else render_candidates(result))
     return 0

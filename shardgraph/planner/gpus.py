@@ -100,37 +100,55 @@ class ClusterTable:
     inter_latency_us: float | None = None
 
 
-def cluster_table(raw: Any) -> ClusterTable:
-    if raw is None:
-        return ClusterTable()
-    if not isinstance(raw, Mapping):
-        raise PlanError([Violation("type", ("cluster",), f"cluster must be a table, got {raw!r}",
-                                   hint="write [cluster] with its keys below")])
-    value, problems = structure_options(ClusterTable, dict(raw), lambda k: f"cluster.{k}",
-                                        "cluster", section=True)
-    if problems:
+def cluster_table(raw: Any, bad: list[Violation] | None = None) -> ClusterTable:
+    """``[cluster]`` read strictly. ``bad``: where its problems go (all of them; a key that
+    fails keeps its default, so the others are still read), else they raise."""
+    problems: list[Violation] = []
+    value = ClusterTable()
+    if raw is not None and not isinstance(raw, Mapping):
+        problems.append(Violation("type", ("cluster",), f"cluster must be a table, got {raw!r}",
+                                  hint="write [cluster] with its keys below"))
+    elif raw is not None:
+        found, problems = structure_options(ClusterTable, dict(raw), lambda k: f"cluster.{k}",
+                                            "cluster", section=True)
+        if found is None:
+            failed = {k for k in raw if f"cluster.{k}" in {k for v in problems for k in v.keys}}
+            found, _ = structure_options(ClusterTable, {k: v for k, v in raw.items()
+                                                        if k not in failed},
+                                         lambda k: f"cluster.{k}", "cluster", section=True)
+        value = found or value
+    if bad is None and problems:
         raise PlanError(problems)
+    if bad is not None:
+        bad += problems
     return value
 
 
 def resolve_gpu(name: str | None, table: ClusterTable | None = None, *,
-                name_key: str = "--gpu") -> GPU:
-    """The preset ``name`` (else ``[cluster] gpu``, else H100-SXM) with ``table``'s overrides."""
+                name_key: str = "--gpu", bad: list[Violation] | None = None) -> GPU:
+    """The preset ``name`` (else ``[cluster] gpu``, else H100-SXM) with ``table``'s overrides.
+    ``bad``: where its problems go (all at once; then the default preset stands in), else
+    they raise."""
     table = table or ClusterTable()
     chosen = name or table.gpu or DEFAULT_GPU
     key = name_key if name else "cluster.gpu"
     found = {n.lower(): g for n, g in PRESETS.items()}.get(chosen.lower())
+    problems = []
     if found is None:
-        raise PlanError([Violation(
+        problems.append(Violation(
             "value", (key,), f"unknown GPU {chosen!r}{did_you_mean(chosen, list(PRESETS))}",
-            hint=choices_hint(chosen, list(PRESETS)) + "; or override figures in [cluster]")])
-    bad = [Violation("value", (f"cluster.{f.name}",), f"cluster.{f.name} must be > 0, got "
-                     f"{getattr(table, f.name)}", hint="give a positive number")
-           for f in attrs.fields(ClusterTable)
-           if f.name not in ("gpu",) and getattr(table, f.name) is not None
-           and getattr(table, f.name) <= 0]
-    if bad:
-        raise PlanError(bad)
+            hint=choices_hint(chosen, list(PRESETS)) + "; or override figures in [cluster]"))
+        found = PRESETS[DEFAULT_GPU]
+    problems += [Violation("value", (f"cluster.{f.name}",), f"cluster.{f.name} must be > 0, "
+                           f"got {getattr(table, f.name)}", hint="give a positive number")
+                 for f in attrs.fields(ClusterTable)
+                 if f.name not in ("gpu",) and getattr(table, f.name) is not None
+                 and getattr(table, f.name) <= 0]
+    if bad is None and problems:
+        raise PlanError(problems)
+    if problems:
+        bad += problems
+        return found
     scaled = {
         "peak_flops": (table.peak_tflops, 1e12), "hbm_bytes": (table.hbm_gib, GiB),
         "hbm_bw": (table.hbm_tbps, 1e12), "intra_bw": (table.intra_node_gbps, 1e9),

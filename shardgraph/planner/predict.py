@@ -249,44 +249,94 @@ def loaded(pipeline) -> Any:
     return pipeline
 
 
-def context(pipeline, world_size: int, gpus_per_node: int | None, gpu: str | None,
-            gpus_per_node_key: str = "gpus_per_node"):
+def context(pipeline, world_size: int | None, gpus_per_node: int | None, gpu: str | None,
+            gpus_per_node_key: str = "gpus_per_node", bad: list[Violation] | None = None):
     """(gpus_per_node, GPU) from the arguments, ``[cluster]`` and ``[mesh]``, else the GPU's
-    NVLink domain (8; a GB200 NVL72 rack's 72)."""
-    table = cluster_table(pipeline.raw.get("cluster"))
-    chip = resolve_gpu(gpu, table)
+    NVLink domain (8; a GB200 NVL72 rack's 72). ``bad``: where the problems go, every one of
+    ``[cluster]``'s at once (gpus_per_node is then None when it is one of them, and the
+    default GPU stands in for a refused one); else they raise."""
+    found: list[Violation] = []
+    table = cluster_table(pipeline.raw.get("cluster"), found)
+    chip = resolve_gpu(gpu, table, bad=found)
     # the first given, 0 included: refused, naming where it came from
     gpn = next((g for g in (gpus_per_node, table.gpus_per_node, pipeline.graph.gpus_per_node)
                 if g is not None), chip.gpus_per_node)
+    if gpus_per_node is not None:
+        key = gpus_per_node_key
+    elif table.gpus_per_node is not None:
+        key = "cluster.gpus_per_node"
+    else:
+        key = pipeline.graph.key("gpus_per_node")
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
-        key = gpus_per_node_key if gpus_per_node is not None else \
-            pipeline.graph.key("gpus_per_node")
-        raise PlanError([Violation("size", (key,), f"{key} must be a positive integer, got "
+        if key not in {k for v in found for k in v.keys}:  # resolve_gpu's already
+            found.append(Violation("size", (key,), f"{key} must be a positive integer, got "
                                    f"{gpn!r}", hint="the GPUs of one node (NVLink domain), "
-                                   "e.g. 8")])
+                                   "e.g. 8"))
+        gpn = None
+    elif "cluster.gpus_per_node" in {k for v in found for k in v.keys} and \
+            key == "cluster.gpus_per_node":
+        gpn = None  # refused as a [cluster] key: not read
+    if bad is None and found:
+        raise PlanError(found)
+    if bad is not None:
+        bad += found
     return gpn, chip
 
 
-def estimate(pipeline, world_size: int, *, gpus_per_node: int | None = None,
-             gpu: str | None = None, efficiency: Efficiency | None = None,
-             world_key: str = "world_size", gpus_per_node_key: str = "gpus_per_node",
-             registry=None) -> dict[str, Any]:
-    """Estimate the plan of a loaded ``pipeline`` at ``world_size``: raises ``PlanError`` for a
-    plan that does not compile or does not fit the model, else returns the estimate's keys
-    (see ``evaluate``). ``registry``: the plugins to compile with (default: the process's);
-    ``world_key``, ``gpus_per_node_key``: what the errors call the arguments."""
-    pipeline = loaded(pipeline)
-    gpn, chip = context(pipeline, world_size, gpus_per_node, gpu, gpus_per_node_key)
+def compile_plan(pipeline, world_size: int | None, gpn: int | None, bad: list[Violation], *,
+                 world_key: str, gpus_per_node_key: str, gpus_per_node: int | None,
+                 default_gpn: int, registry=None):
+    """The plan of ``pipeline`` at ``world_size`` (None: not given), or None with its problems
+    added to ``bad``. ``gpn`` None: gpus_per_node is refused already, so the rule that reads
+    it (within-node) is not judged on a stand-in."""
     graph = pipeline.graph
-    if graph.world_size != world_size:  # ``world_size`` wins over [mesh], as in Graph.compile
+    if world_size is None or graph.world_size != world_size:  # the argument wins over [mesh]
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": world_key})
     if gpus_per_node is not None:  # the argument wins over [cluster] and [mesh]
         graph = attrs.evolve(graph, keys={**graph.keys, "gpus_per_node": gpus_per_node_key})
-    plan = graph.compile(world_size=world_size, gpus_per_node=gpn, registry=registry)
+    try:
+        return graph.compile(world_size=world_size, gpus_per_node=gpn or default_gpn,
+                             registry=registry)
+    except PlanError as exc:
+        bad += [v for v in exc.violations if gpn is not None or v.rule != "within-node"]
+        return None
+
+
+def doubtful(problems, *prefixes: str) -> bool:
+    """Whether a problem already reported names a key under one of ``prefixes``: a rule that
+    reads it would state a consequence."""
+    return any(k == p or k.startswith(p + ".") for v in problems for k in v.keys
+               for p in prefixes)
+
+
+def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = None,
+             gpu: str | None = None, efficiency: Efficiency | None = None,
+             world_key: str = "world_size", gpus_per_node_key: str = "gpus_per_node",
+             registry=None, problems=()) -> dict[str, Any]:
+    """Estimate the plan of a loaded ``pipeline`` at ``world_size``: raises ``PlanError`` for a
+    plan that does not compile or does not fit the model, else returns the estimate's keys
+    (see ``evaluate``). ``registry``: the plugins to compile with (default: the process's);
+    ``world_key``, ``gpus_per_node_key``: what the errors call the arguments; ``problems``:
+    those already found in the file's other sections, reported with these (every problem at
+    once; a rule that reads a key among them is not judged)."""
+    pipeline = loaded(pipeline)
+    bad = list(problems)
+    gpn, chip = context(pipeline, world_size, gpus_per_node, gpu, gpus_per_node_key, bad)
+    plan = compile_plan(pipeline, world_size, gpn, bad, world_key=world_key,
+                        gpus_per_node_key=gpus_per_node_key, gpus_per_node=gpus_per_node,
+                        default_gpn=chip.gpus_per_node, registry=registry)
+    if plan is None:
+        raise PlanError(bad)
     v = plan_view(plan)
-    shape = model_shape(pipeline.model)
     setup = setup_of(pipeline)
-    bad = batch_violations(v, setup, world_key) + model_violations(shape, v, setup)
+    if not doubtful(problems, "train.global_batch_size", "train.micro_batch_size"):
+        bad += batch_violations(v, setup, world_key)
+    try:
+        shape = model_shape(pipeline.model)
+    except PlanError as exc:
+        raise PlanError([*bad, *exc.violations]) from None
+    if not doubtful(problems, "model", "data.seq_len"):
+        bad += model_violations(shape, v, setup)
     if bad:
         raise PlanError(bad)
     return evaluate(shape, v, setup, chip, efficiency or FITTED)

@@ -307,21 +307,24 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
 def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
              gpu: str | None = None, top: int = 5, efficiency: Efficiency | None = None,
              compile_all: bool = False, registry=None,
-             gpus_per_node_key: str = "gpus_per_node") -> dict[str, Any]:
+             gpus_per_node_key: str = "gpus_per_node", problems=()) -> dict[str, Any]:
     """The best ``top`` plans for a loaded ``pipeline``'s model on ``world_size`` GPUs, best
     first: ``{"candidates": [estimate + pipeline], "searched": counts, "why": [...]}``.
     ``registry``: the plugins to build plans from (default: the process's);
-    ``gpus_per_node_key``: what an error calls the ``gpus_per_node`` argument."""
+    ``gpus_per_node_key``: what an error calls the ``gpus_per_node`` argument; ``problems``:
+    those found already (the file's other sections, the command line), reported with these
+    before any search."""
     began = time.perf_counter()
     eff = efficiency or FITTED
     pipeline = loaded(pipeline)
     registry = registry or default_registry()
     names = roles(registry)
-    gpn, chip = context(pipeline, world_size, gpus_per_node, gpu, gpus_per_node_key)
+    bad = list(problems)
+    gpn, chip = context(pipeline, world_size, gpus_per_node, gpu, gpus_per_node_key, bad)
     # the user's options are kept in the plans the search builds: a mistake in one is the
     # user's, said before searching (not a plan silently dropped for it)
-    bad = option_violations(pipeline.graph, world_size=world_size, gpus_per_node=gpn,
-                            registry=registry)
+    bad += option_violations(pipeline.graph, world_size=world_size or 1,
+                             gpus_per_node=gpn or chip.gpus_per_node, registry=registry)
     if bad:
         raise PlanError(bad)
     shape = model_shape(pipeline.model)

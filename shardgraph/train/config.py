@@ -344,9 +344,10 @@ def pipeline_and_problems(data: Mapping[str, Any], source: str = "<string>", *,
     return Pipeline(graph=graph, source=source, raw=dict(data), **sections), bad
 
 
-def read_pipeline(path: str | Path) -> tuple[Pipeline, list[Violation]]:
+def read_pipeline(path: str | Path, *, reads_data: bool = True
+                  ) -> tuple[Pipeline, list[Violation]]:
     """``pipeline_and_problems`` of a file; only an unreadable or malformed file raises."""
-    return pipeline_and_problems(parse(read(path), str(path)), str(path))
+    return pipeline_and_problems(parse(read(path), str(path)), str(path), reads_data=reads_data)
 
 
 def loads_pipeline(text: str, source: str = "<string>", *, reads_data: bool = True) -> Pipeline:
