@@ -368,3 +368,54 @@ def test_a_checkpoint_given_by_resume_is_named_resume(tmp_path, capsys):
     assert main(["train", _write(tmp_path, "t.toml", TINY), "--resume", str(empty)]) == 2
     err = capsys.readouterr().err
     assert "] --resume:" in err and "checkpoint.resume" not in err, err
+
+
+def _reported(args: list[str], capsys) -> tuple[set[str], set[str]]:
+    """The (rules, keys) of the one report a refused command prints."""
+    assert main(args) == 2, args
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line.split("] ", 1) for line in err.splitlines() if line.startswith("  - [")]
+    return ({rule.removeprefix("  - [") for rule, _ in lines},
+            {k for _, rest in lines for k in rest.split(": ", 1)[0].split(", ")})
+
+
+def test_every_cluster_problem_comes_in_one_report(tmp_path, capsys):
+    """A wrong type, an unknown GPU, 0 GPUs a node and a negative HBM took four rounds."""
+    path = _write(tmp_path, "c.toml", TINY + '[cluster]\ngpu = "H100X"\nhbm_gib = -1\n'
+                  'gpus_per_node = 0\nnetwork_gbps = "x"\n')
+    cluster = {"cluster.gpu", "cluster.hbm_gib", "cluster.gpus_per_node", "cluster.network_gbps"}
+    for args, extra in ((["estimate", path, "--world-size", "8"], set()),
+                        (["plan", "--auto", path, "--world-size", "8", "--top", "0"],
+                         {"--top"})):
+        assert _reported(args, capsys)[1] == cluster | extra, args
+
+
+def test_training_sections_hide_no_problem_of_the_plan(tmp_path, capsys):
+    """estimate, dryrun and export stopped at [train]; the sp/ddp conflict came next round."""
+    path = _write(tmp_path, "t.toml", TINY.replace(
+        "[plugins.fsdp2]\n[plugins.tp]\nsize = 2\n", "[plugins.ddp]\n[plugins.sp]\n")
+        .replace("global_batch_size = 8", "global_batch_size = -1"))
+    for args in (["estimate", path], ["dryrun", path],
+                 ["export", path, str(tmp_path / "no-ckpt"), str(tmp_path / "out")]):
+        rules, keys = _reported(args, capsys)
+        assert {"value", "conflicts", "requires"} <= rules, args
+        assert "train.global_batch_size" in keys, args
+
+
+def test_command_line_problems_hide_no_problem_of_the_file(tmp_path, capsys):
+    path = _write(tmp_path, "u.toml", TINY.replace("[plugins.tp]", "[plugins.tpx]"))
+    assert _reported(["plan", path, "--auto", "--top", "0", "--world-size", "8"],
+                     capsys)[1] == {"--top", "plugins.tpx"}
+
+
+def test_a_misspelt_model_key_hides_no_rule_of_the_plan_on_the_keys_given(tmp_path, capsys):
+    """The model is built without the key it refused: tp's head rule on the heads the user gave
+    comes in the same report (a rule on a default is left out: it may be what the key meant)."""
+    path = _write(tmp_path, "m.toml", TINY.replace("hidden_size = 32",
+                                                   "hidden_size = 48\nhidden_sizee = 64")
+                  .replace("num_attention_heads = 4", "num_attention_heads = 3")
+                  .replace("num_key_value_heads = 2", "num_key_value_heads = 3"))
+    for args in (["dryrun", path], ["train", path, "--nproc", "4"]):
+        keys = _reported(args, capsys)[1]
+        assert {"model.config.hidden_sizee", "model.config.num_attention_heads"} <= keys, args

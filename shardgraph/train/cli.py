@@ -457,12 +457,19 @@ def run_dryrun(args: argparse.Namespace) -> int:
     import json
 
     from .dryrun import dryrun, render
+    from .preflight import plan_problems
 
-    pipeline = load_pipeline(args.file, reads_data=False)
+    # every problem of the file, the plan and the model at once (dryrun stops at the first)
+    pipeline, bad = read_pipeline(args.file, reads_data=False)
     world = args.world_size if args.world_size is not None else pipeline.graph.world_size
-    if world is None:
-        raise PlanError([Violation("size", ("--world-size",), "no world size given",
-                                   hint="pass --world-size N (or set [mesh] world_size)")])
+    if pipeline.graph.world_size not in (None, world):  # the simulated world wins, as in dryrun
+        pipeline = attrs.evolve(pipeline, graph=attrs.evolve(pipeline.graph, world_size=None))
+    bad += plan_problems(pipeline, world, "--world-size", bad)[1]
+    if isinstance(world, int) and world >= 1 and not 0 <= args.rank < world:
+        bad.append(Violation("value", ("--rank",), f"rank {args.rank} is not in a world of "
+                             f"{world}", hint=f"use 0 .. {world - 1}"))
+    if bad:
+        raise PlanError(bad)
     report = dryrun(pipeline, world_size=world, rank=args.rank)
     print(json.dumps(report) if args.json else render(report))
     return 0
@@ -496,13 +503,30 @@ def run_export(args: argparse.Namespace) -> int:
                     print(f"exported {path}")
 
         return _as_rank("export", body)
-    pipeline = load_pipeline(args.file, reads_data=False)
-    nproc = _nproc(args, pipeline)
+    # every problem of the file, the plan, the checkpoint and the outputs at once, before
+    # anything is loaded or launched
+    pipeline, bad = read_pipeline(args.file, reads_data=False)
+    nproc, plan = None, None
+    try:
+        nproc = _nproc(args, pipeline)
+    except PlanError as exc:
+        bad += exc.violations
     graph = pipeline.graph
     if args.nproc is not None:  # the plan's problems name the option the user gave
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": "--nproc"})
-    plan = graph.compile(world_size=nproc)  # before anything is loaded or launched
-    _export_checks(pipeline, plan, Path(args.checkpoint), Path(args.out), peft)
+    try:
+        if nproc is None:
+            bad += graph.problems
+        else:
+            plan = graph.compile(world_size=nproc)
+    except PlanError as exc:
+        bad += exc.violations
+    try:
+        _export_checks(pipeline, plan, Path(args.checkpoint), Path(args.out), peft)
+    except PlanError as exc:
+        bad += exc.violations
+    if bad:
+        raise PlanError(bad)
     if nproc == 1:
         for path in export_checkpoint(pipeline, Path(args.checkpoint), Path(args.out), peft):
             print(f"exported {path}")
@@ -530,13 +554,15 @@ def _export_checks(pipeline: Pipeline, plan, checkpoint: Path, out: Path,
         ckpt.check_intact(checkpoint, "checkpoint", "export")
     except PlanError as exc:
         bad += exc.violations
-    adapters = any(ckpt.ADAPTERS in plan.registry.get(s.plugin).provides for s in plan.steps)
+    # (no plan: whether it adds adapters is unknown, and so is what --peft is for)
+    adapters = plan is not None and any(ckpt.ADAPTERS in plan.registry.get(s.plugin).provides
+                                        for s in plan.steps)
     outputs = [("out", out, f"give a new directory, or move {out} away")]
     if adapters:
         adapters_out = peft or adapter_dir(out)
         outputs.append(("--peft", adapters_out, f"give --peft a new directory, or move "
                         f"{adapters_out} away"))
-    elif peft is not None:
+    elif peft is not None and plan is not None:
         bad.append(Violation("value", ("--peft",), f"--peft {peft}: this plan adds no adapters "
                              f"(no plugin provides {ckpt.ADAPTERS}): nothing would be written "
                              "there", hint="remove --peft"))

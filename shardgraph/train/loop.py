@@ -35,8 +35,10 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_size") -> Plan:
-    """The plan at ``world_size`` plus the training rules that need it (batch split)."""
+def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_size", *,
+                batch: bool = True) -> Plan:
+    """The plan at ``world_size`` plus the training rules that need it (batch split;
+    ``batch`` False: not judged, its keys are reported bad already)."""
     graph = pipeline.graph
     bad: list[Violation] = []
     if graph.world_size is not None and graph.world_size != world_size:
@@ -51,12 +53,13 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": nproc_key})
     plan = graph.compile(world_size=world_size)
     dp, train = plan.layout.dp, pipeline.train
-    if train.global_batch_size % dp:
+    if batch and train.global_batch_size % dp:
         bad.append(Violation(
             "batch", ("train.global_batch_size", nproc_key),
             f"global_batch_size = {train.global_batch_size} cannot be split over "
             f"dp = {dp} data-parallel ranks", hint=f"use a multiple of {dp}, or fewer processes"))
-    elif train.micro_batch_size and (train.global_batch_size // dp) % train.micro_batch_size:
+    elif batch and train.micro_batch_size and \
+            (train.global_batch_size // dp) % train.micro_batch_size:
         bad.append(Violation(
             "batch", ("train.micro_batch_size", "train.global_batch_size"),
             f"the local batch of {train.global_batch_size // dp} sequences is not a multiple "

@@ -43,25 +43,30 @@ def check(pipeline: Pipeline, nproc: int | None, nproc_key: str = "--nproc",
         return not any(k == p or k.startswith(p + ".") for k in doubtful for p in prefixes)
 
     plan = None
-    if nproc is not None and sound("train.global_batch_size", "train.micro_batch_size"):
-        try:
-            plan = compile_for(pipeline, nproc, nproc_key)
+    if nproc is not None:
+        try:  # (the batch rules read keys already reported: a consequence, left out)
+            plan = compile_for(pipeline, nproc, nproc_key,
+                               batch=sound("train.global_batch_size", "train.micro_batch_size"))
         except PlanError as exc:
             bad += exc.violations
     else:  # the plan's own problems are still the file's
         bad += pipeline.graph.problems
+    found = len(bad)
     model = _model(pipeline, bad) if sound("model") else None
     model_bytes = None
+    # [model.config] keys the model refused: it was built without them
+    refused = [v for v in bad[found:] if all(k.startswith("model.config.") for k in v.keys)]
     if model is not None:
         if plan is not None:
-            _model_checks(plan, model, nproc, bad)
-        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            model_checks(plan, model, nproc, bad, refused=refused, given=config_keys(pipeline))
+        if not refused:  # (a model built without them is not this run's)
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if sound("model", "data"):
         _data(pipeline, bad)
     if sound("checkpoint", "train.optimizer", "train.momentum"):
         bad += checkpoint_dir(pipeline, model_bytes)
     resume = None
-    if model is not None and not doubtful:  # the settings a checkpoint is checked against
+    if model_bytes is not None and not doubtful:  # the settings a checkpoint is checked against
         try:
             resume = resume_point(pipeline)
         except PlanError as exc:
@@ -73,9 +78,44 @@ def check(pipeline: Pipeline, nproc: int | None, nproc_key: str = "--nproc",
     return resume
 
 
+def plan_problems(pipeline: Pipeline, world: int | None, key: str,
+                  problems: Sequence[Violation] = ()):
+    """(the plan or None, the problems of the plan and the model at ``world`` processes) for a
+    command that reads no data and writes no checkpoint (``dryrun``, ``export``), to report
+    with ``problems`` (the file's other sections, the command line): a rule that reads a key
+    among those is not judged. ``world`` None: not given, and said so, naming ``key``."""
+    from .loop import compile_for
+
+    doubtful = {k for v in problems for k in v.keys}
+
+    def sound(*prefixes: str) -> bool:
+        return not any(k == p or k.startswith(p + ".") for k in doubtful for p in prefixes)
+
+    bad: list[Violation] = []
+    plan = None
+    try:
+        if world is None:  # the compile says so, beside what holds at any world size
+            graph = pipeline.graph
+            attrs.evolve(graph, keys={**graph.keys, "world_size": key}).compile(world_size=None)
+        else:
+            plan = compile_for(pipeline, world, key,
+                               batch=sound("train.global_batch_size", "train.micro_batch_size"))
+    except PlanError as exc:
+        bad += exc.violations
+    if sound("model"):
+        model = _model(pipeline, bad)
+        refused = [v for v in bad if v.keys and all(k.startswith("model.config.")
+                                                    for k in v.keys)]
+        if model is not None and plan is not None:
+            model_checks(plan, model, world, bad, refused=refused, given=config_keys(pipeline))
+    return plan, bad
+
+
 def _model(pipeline: Pipeline, bad: list[Violation]):
     """The model built on ``meta``, or None with the problem; and the weights of ``[model]
-    path`` checked against it (names, shapes, each with its file; none is read)."""
+    path`` checked against it (names, shapes, each with its file; none is read). A
+    ``[model.config]`` key the model does not know is reported, and the model is built without
+    it, so that the plan's checks of the keys the user gave still run (``model_checks``)."""
     from .model import check_weights, meta_model, unbuildable
 
     spec = pipeline.model
@@ -84,16 +124,35 @@ def _model(pipeline: Pipeline, bad: list[Violation]):
         bad += check_weights(spec)
     except PlanError as exc:
         bad += exc.violations
-        return None
+        unknown = {k.split(".", 2)[2] for v in exc.violations for k in v.keys
+                   if k.startswith("model.config.")}
+        if not unknown or any(len(v.keys) != 1 or not v.keys[0].startswith("model.config.")
+                              for v in exc.violations):
+            return None
+        try:
+            return meta_model(attrs.evolve(spec, config={
+                k: v for k, v in spec.config.items() if k not in unknown}))
+        except Exception:  # noqa: BLE001 - without them it may not build: nothing to check
+            return None
     except Exception as exc:  # the model class refusing its config (a shape that cannot be)
         bad.append(unbuildable(spec, exc))
         return None
     return model
 
 
-def _model_checks(plan, model, nproc: int, bad: list[Violation]) -> None:
+def config_keys(pipeline: Pipeline) -> frozenset[str]:
+    """The ``[model.config]`` keys the user gave, as problems name them."""
+    return frozenset(f"model.config.{k}" for k in pipeline.model.config)
+
+
+def model_checks(plan, model, nproc: int, bad: list[Violation],
+                 refused: Sequence[Violation] = (), given: frozenset[str] = frozenset()) -> None:
     """The plan's checks of the model (head counts that tp must divide, layers pp must split,
-    ...) as rank 0 of ``nproc`` would run them, on a fake process group like ``dryrun``'s."""
+    ...) as rank 0 of ``nproc`` would run them, on a fake process group like ``dryrun``'s.
+    ``refused``: the model's own problems (``[model.config]`` keys it does not know, left out
+    of ``model``): a check is then kept only when the config keys it names are all in
+    ``given`` (the user's, ``model.config.<name>``) and were taken (one on a default may be
+    what a misspelt key meant)."""
     import torch.distributed as dist
 
     from ..core.context import fake_world
@@ -104,9 +163,17 @@ def _model_checks(plan, model, nproc: int, bad: list[Violation]) -> None:
         try:
             plan.check_model(model, plan.build_mesh("cpu"))
         except PlanError as exc:
-            bad += exc.violations
+            found = exc.violations
         except Exception:  # noqa: BLE001 - a check that needs real tensors: the workers run it
-            pass
+            return
+        else:
+            return
+    if refused:
+        off = {k for v in refused for k in v.keys}
+        found = tuple(v for v in found if (named := {k for k in v.keys
+                                                     if k.startswith("model.config.")})
+                      and named <= given - off)
+    bad += found
 
 
 def _data(pipeline: Pipeline, bad: list[Violation]) -> None:
