@@ -276,7 +276,8 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
     1), a requirement that a fix of a reported conflict meets (ep's 'fully_shard' under ddp:
     use fsdp2 instead), one that a plugin of unknown degree or an unresolved entry may satisfy.
     A requirement no such fix meets is reported beside the conflict (sp's 'tensor_parallel'
-    under ddp holds whichever way the conflict is fixed). A hint names only fixes the other rules would accept."""
+    under ddp holds whichever way the conflict is fixed). A hint names only fixes the other
+    rules would accept."""
     active = [r for r in resolved if r.active]
     strategies = [r for r in resolved if r.plugin.kind is Kind.STRATEGY]
     if len(strategies) > 1:
