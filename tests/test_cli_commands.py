@@ -392,11 +392,12 @@ def test_every_cluster_problem_comes_in_one_report(tmp_path, capsys):
 
 
 def test_training_sections_hide_no_problem_of_the_plan(tmp_path, capsys):
-    """estimate, dryrun and export stopped at [train]; the sp/ddp conflict came next round."""
+    """estimate, dryrun, export and train stopped at [train]; the sp/ddp conflict came next
+    round."""
     path = _write(tmp_path, "t.toml", TINY.replace(
         "[plugins.fsdp2]\n[plugins.tp]\nsize = 2\n", "[plugins.ddp]\n[plugins.sp]\n")
         .replace("global_batch_size = 8", "global_batch_size = -1"))
-    for args in (["estimate", path], ["dryrun", path],
+    for args in (["estimate", path], ["dryrun", path], ["train", path],
                  ["export", path, str(tmp_path / "no-ckpt"), str(tmp_path / "out")]):
         rules, keys = _reported(args, capsys)
         assert {"value", "conflicts", "requires"} <= rules, args
