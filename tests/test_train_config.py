@@ -192,3 +192,15 @@ def test_train_micro_batch_size_under_pp_is_refused_naming_the_train_key():
     assert "set plugins.pp.microbatch_size = 1" in str(err.value)
     loads_pipeline(text).graph.compile()  # the example itself sizes pp's microbatches only
     loads_pipeline(text.replace('lr = 0.003', 'lr = 0.003\nmicro_batch_size = 2')).graph.compile()
+
+
+def test_a_refused_seq_len_is_not_judged_again_by_the_plan():
+    """``seq_len = "x"`` keeps its default for the other checks; cp's rule said the default
+    (16) was not divisible by 2 * cp: a consequence, in a second line."""
+    from shardgraph.graphs.toml import parse
+    from shardgraph.train.config import pipeline_and_problems
+
+    text = '[plugins.fsdp2]\n[plugins.cp]\nsize = 3\n[data]\nseq_len = "x"\n'
+    pipeline, bad = pipeline_and_problems(parse(text))
+    assert [(v.rule, v.keys) for v in bad] == [("type", ("data.seq_len",))]
+    pipeline.graph.compile(world_size=6)  # nothing else to say

@@ -334,8 +334,9 @@ def pipeline_and_problems(data: Mapping[str, Any], source: str = "<string>", *,
     sections = {name: _section(name, data.get(name, {}), bad) for name in SECTIONS}
     _rules(sections, bad, reads_data)
     train = sections["train"]
-    graph.seq_len = sections["data"].seq_len  # cp's rule reads it
-    graph.keys["seq_len"] = "data.seq_len"
+    if not any("data.seq_len" in v.keys for v in bad):  # (a refused one is not judged again)
+        graph.seq_len = sections["data"].seq_len  # cp's rule reads it
+        graph.keys["seq_len"] = "data.seq_len"
     if train.micro_batch_size is not None and train.micro_batch_size >= 1:
         # the plan's rules judge it too (a pipeline's schedule is its own accumulation)
         graph.micro_batch_size = train.micro_batch_size
