@@ -43,6 +43,15 @@ def test_explain_shows_the_dp_shard_cp_group_and_which_groups_cross_nodes(pipeli
     assert "dp_cp: [0 2 4 6 8 10 12 14] [1 3 5 7 9 11 13 15]" in out
 
 
+def test_explain_of_a_large_world_names_a_long_groups_ranks_by_their_stride(pipeline, capsys):
+    assert main(["explain", pipeline, "--world-size", "4096"]) == 0
+    out = capsys.readouterr().out
+    # dp_shard: 512 ranks a group, 4 apart: said in a few words, not 512 numbers
+    line = next(x for x in out.splitlines() if x.strip().startswith("dp_shard:"))
+    assert line.split(":", 1)[1].startswith(" [0 4 8 ... 2044] [1 5 9 ... 2045]"), line
+    assert len(line) < 400, line
+
+
 def test_explain_draws_every_rank_in_every_panel(pipeline, tmp_path, capsys):
     svg, dot = tmp_path / "mesh.svg", tmp_path / "mesh.dot"
     assert main(["explain", pipeline, "--world-size", "16", "--gpus-per-node", "4",

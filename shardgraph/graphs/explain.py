@@ -69,7 +69,8 @@ def explain(plan: Plan, with_groups: bool = True) -> str:
     lines += ["", "process groups (global ranks):"]
     groups = rank_groups(lay)
     for axis, members in groups.items():
-        shown = " ".join("[" + " ".join(map(str, g)) + "]" for g in members[:16])
+        shown = " ".join("[" + (" ".join(map(str, g)) if len(g) <= 16 else _ranks_text(g)) + "]"
+                         for g in members[:16])
         more = f" ... ({len(members)} groups)" if len(members) > 16 else ""
         where = _span(lay, members)
         lines.append(f"  {axis:>12}: {shown}{more}{where}")
