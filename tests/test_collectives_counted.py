@@ -1,6 +1,7 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp and cp
-(the training step's forward and backward of two micro-batches) counted at the dispatcher, group by group, call by
-call and byte by byte, against the rows ``shardgraph dryrun`` prints for the same plan
+(with and without full and selective activation checkpointing; the training step's forward and
+backward of two micro-batches) counted at the dispatcher, group by group, call by call and byte
+by byte, against the rows ``shardgraph dryrun`` prints for the same plan
 (``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the runtime's own
 reductions (token count, loss, gradient norm) are not compared here."""
 
@@ -19,7 +20,15 @@ CASES = {  # name -> (model, plan), world 2 and world 4
         "qwen3_tp": ("qwen3", "[plugins.tp]\nsize = 2\n"),
         "qwen3_tp_sp_loss_parallel": ("qwen3", "[plugins.tp]\nsize = 2\nloss_parallel = true\n"
                                                "[plugins.sp]\n"),
-        "llama_cp": ("llama", "[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n")},
+        "llama_cp": ("llama", "[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n"),
+        "llama_tp_ac": ("llama", "[plugins.tp]\nsize = 2\n[plugins.activation_checkpointing]\n"),
+        "llama_tp_sp_ac": ("llama", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"
+                                    "[plugins.activation_checkpointing]\n"),
+        "llama_tp_sp_selective_ac": ("llama", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"
+                                              "[plugins.activation_checkpointing]\n"
+                                              "mode = 'selective'\n"),
+        "llama_cp_ac": ("llama", "[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n"
+                                 "[plugins.activation_checkpointing]\n")},
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }

@@ -14,7 +14,7 @@ module (pluggy's hook specs play the same part for hooks).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -139,6 +139,16 @@ class Recomputation:
     """
 
     recomputing: Callable[[Any], bool | None] = attrs.field(eq=False)
+
+    def region(self, modules: Mapping[str, Any], fqn: str) -> str | None:
+        """The outermost checkpointed module around ``fqn`` (``modules``: the model's
+        ``named_modules()``), whose backward runs ``fqn``'s forward again; None: none does."""
+        parts = fqn.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if name in modules and self.recomputing(modules[name]) is not None:
+                return name
+        return None
 
 
 @attrs.frozen

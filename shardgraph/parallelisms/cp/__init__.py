@@ -232,11 +232,19 @@ def _collectives(model: nn.Module, options: CPOptions, ctx: MeshContext, inputs:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     # K and V as attention sees them: this rank's heads (tp shards them), the whole sequence
     width = kv_heads * head_dim // ctx.layout.tp
-    layers = sum(1 for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx"))
-    n = 2 * layers * batch.micro_batches
-    kv = 2 * layers * batch.tokens * ctx.layout.cp * width * batch.act_bytes
-    return (collective("all_gather", "cp", n, kv, "attention K and V (forward)")
-            + collective("reduce_scatter", "cp", n, kv, "attention K and V gradients (backward)"))
+    modules = dict(model.named_modules())
+    layers = [fqn for fqn, m in modules.items() if hasattr(m, "is_causal")
+              and hasattr(m, "layer_idx")]
+    recompute = inputs.get("activation_checkpointing")
+    again = sum(recompute.region(modules, fqn) is not None
+                for fqn in layers) if recompute is not None else 0
+    one = 2 * batch.tokens * ctx.layout.cp * width * batch.act_bytes  # K and V of a layer
+    mb = batch.micro_batches
+    return (collective("all_gather", "cp", 2 * (len(layers) + again) * mb,
+                       (len(layers) + again) * one, "attention K and V (forward"
+                       + (", again where a checkpointed block recomputes)" if again else ")"))
+            + collective("reduce_scatter", "cp", 2 * len(layers) * mb, len(layers) * one,
+                         "attention K and V gradients (backward)"))
 
 
 def _cost(options: CPOptions, layout) -> Cost:
@@ -267,5 +275,6 @@ PLUGIN = Plugin(
     apply=_apply,
     prepare_batch=_prepare_batch,
     collectives=_collectives,
+    reads={"activation_checkpointing"},  # only to count the gathers a recompute runs again
     doc="context parallelism: sequence-sharded attention over the cp axis",
 )

@@ -172,16 +172,21 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     weight gradient is summed by the strategy's reduction in each backward (without a
     strategy, dp * cp = 1, at the optimizer step: not listed). tp's rows are tp's."""
     built = _sequence_styles(model, inputs["tensor_parallel"])
+    modules = dict(model.named_modules())
+    recompute = inputs.get("activation_checkpointing")
+    again = sum(isinstance(s, (styles.GatherSequence, styles.Whole))
+                and recompute.region(modules, fqn) is not None
+                for fqn, s in built.items()) if recompute is not None else 0
     gathers = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) for s in built.values())
     partial = sum(isinstance(s, styles.GatherSequence) and not s.local for s in built.values())
     scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole)) for s in built.values())
-    modules = dict(model.named_modules())
     norms = [p for fqn, s in built.items() if isinstance(s, styles.KeepFrozenSequenceParallel)
              for p in modules[fqn].parameters()] if ctx.layout.dp * ctx.layout.cp > 1 else []
     size = batch.tokens * batch.hidden * batch.act_bytes
     mb = batch.micro_batches
-    return (collective("all_gather", "tp", gathers * mb, gathers * size,
-                       "sequence-sharded activations into attention, MLP (forward)")
+    return (collective("all_gather", "tp", (gathers + again) * mb, (gathers + again) * size,
+                       "sequence-sharded activations into attention, MLP (forward"
+                       + (", again where a checkpointed block recomputes)" if again else ")"))
             + collective("reduce_scatter", "tp", partial * mb, partial * size,
                          "their gradients, summed over the linears inside (backward)")
             + collective("all_gather", "tp", scatters * mb, scatters * size,
@@ -203,7 +208,9 @@ PLUGIN = Plugin(
     provides={"sequence_parallel", "model_parallel"},
     cost=_cost,
     requires={"tensor_parallel"},
-    reads={"tensor_parallel"},  # tp's layout: its residual stream switches to the sequence dim
+    # tp's layout: its residual stream switches to the sequence dim; activation_checkpointing:
+    # only to count the gathers a checkpointed block runs again
+    reads={"tensor_parallel", "activation_checkpointing"},
     after={"tensor_parallel"},
     before={"context_parallel", "activation_checkpointing", "data_parallel"},
     model_check=_model_check,

@@ -32,7 +32,7 @@ from ...core.costs import Comm, Cost
 from ...core.errors import Violation, choices_hint, did_you_mean
 from ...core.lazy import lazy_module
 from ...core.blocks import output_embeddings
-from ...core.values import Applied, BatchShape, TPLayout, collective
+from ...core.values import Applied, BatchShape, Recomputation, TPLayout, collective
 from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -254,6 +254,22 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
 _COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise")
 
 
+def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
+                        recompute: Recomputation | None) -> set[str]:
+    """The rowwise layers whose forward a checkpointed block runs again in backward: all but
+    each block's last, whose output no backward reads (torch's checkpoint stops before it)."""
+    if recompute is None:
+        return set()
+    last: dict[str, str] = {}
+    again = set()
+    for fqn, style in resolved.matched.items():
+        region = recompute.region(modules, fqn) if style in ("rowwise", "rowwise_rep") else None
+        if region is not None:
+            again.add(fqn)
+            last[region] = fqn
+    return again - set(last.values())
+
+
 def _sharing(resolved: _Resolved, modules: dict[str, nn.Module]) -> list[str]:
     """The modules (attention, MLP) around colwise linears other than the head, which tp does
     not split itself: each sums its linears' input gradients once."""
@@ -272,7 +288,8 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     sp's gather (sp's rows); a
     gathered colwise output (the logits unless ``loss_parallel``) is all-gathered; a replicated
     parameter's partial gradient (a per-head q/k norm's) is all-reduced. A checkpointed block
-    issues its forward's again when it recomputes; sp's own gathers are sp's rows. A partial
+    runs its forward's again when it recomputes, up to its last rowwise layer (torch's
+    checkpoint stops at the last tensor backward reads); sp's own gathers are sp's rows. A partial
     gradient is summed by the strategy's reduction in each backward; without a strategy
     (dp * cp = 1) at the optimizer step, not listed."""
     sp = inputs.get("sequence_parallel") is not None
@@ -283,11 +300,13 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     n_row = n_col = n_gather = n_grads = 0
     shared: dict[str, int] = {}  # module -> the bytes of its input gradient
     sharing = set(_sharing(resolved, modules))
+    again = _recomputed_rowwise(resolved, modules, inputs.get("activation_checkpointing"))
     for fqn, style in resolved.matched.items():
         m = modules[fqn]
         if style in ("rowwise", "rowwise_rep", "embedding_rowwise"):
-            n_row += 1
-            rowwise += tokens * batch.hidden * act
+            times = 2 if fqn in again else 1
+            n_row += times
+            rowwise += times * tokens * batch.hidden * act
         elif style in _COLWISE:
             head = fqn == resolved.head
             if head and sp:
@@ -307,13 +326,15 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                 n_grads += 1
                 grads += p.numel() * p.element_size()
     heads = int(head_in > 0)
+    back = n_row - len(again)  # the backward mirrors each forward reduction once
     return (collective("reduce_scatter" if sp else "all_reduce", "tp", n_row * mb, rowwise,
-                       "rowwise layers' partial outputs (forward)")
+                       "rowwise layers' partial outputs (forward"
+                       + (", again where a checkpointed block recomputes)" if again else ")"))
             + collective("all_gather", "tp", heads * mb, head_in,
                          "the LM head's sequence-sharded input (forward)")
             + collective("all_gather", "tp", n_gather * mb, gathered,
                          "gathered colwise outputs: the logits (forward)")
-            + (collective("all_gather", "tp", n_row * mb, rowwise,
+            + (collective("all_gather", "tp", back * mb, rowwise * back // n_row,
                           "rowwise layers' output gradients (backward)") if sp else [])
             + collective("all_reduce", "tp", len(shared) * mb, sum(shared.values()),
                          "input gradients of the modules around colwise linears (backward)")
@@ -381,7 +402,8 @@ PLUGIN = Plugin(
     apply=_apply,
     loss_context=_loss_context,
     collectives=_collectives,
-    # sequence_parallel: only to count its collectives as sp lays them out
-    reads={"sequence_parallel", "low_rank_adapters"},
+    # sequence_parallel, activation_checkpointing: only to count its collectives as sp lays
+    # them out and as a checkpointed block runs them again
+    reads={"sequence_parallel", "low_rank_adapters", "activation_checkpointing"},
     doc="tensor parallelism: parallelize_module with the model's (or a user's) TP plan",
 )
