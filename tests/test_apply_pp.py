@@ -91,6 +91,9 @@ SCENARIOS = {
         "mixed_precision", param_dtype="bf16", reduce_dtype="fp32", output_dtype="bf16"),
         4, 8, 1),
     "pp2_tp2": (lambda: _pp(size=2).add("tp", size=2), 4, 4, 1),
+    # a later stage's input is the residual stream, already sharded along the sequence
+    "pp2_tp2_sp": (lambda: _pp(size=2, schedule="interleaved_1f1b").add("tp", size=2).add("sp"),
+                   4, 4, 1),
     "zb_ac_fsdp2": (lambda: _pp(size=2, schedule="zero_bubble").add("activation_checkpointing")
                     .add("fsdp2"), 4, 8, 1),
 }
@@ -351,8 +354,8 @@ def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
 WORLD2 = ["1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule",
           "DualPipeV", "scaled_in_schedule", "microbatch_2", "layers_per_stage", "explicit", "ac",
           "two_steps", "mp", "lengths", "v_tied", "v_ac"]
-WORLD4 = ["pp4_interleaved", "pp2_fsdp2", "pp2_fsdp2_mp", "pp2_tp2", "reductions", "zb_ac_fsdp2",
-          "staged_memory"]
+WORLD4 = ["pp4_interleaved", "pp2_fsdp2", "pp2_fsdp2_mp", "pp2_tp2", "pp2_tp2_sp", "reductions",
+          "zb_ac_fsdp2", "staged_memory"]
 
 
 @pytest.fixture(scope="module")
@@ -465,6 +468,10 @@ def test_pp2_x_fsdp2_with_mixed_precision_sends_the_output_dtype(world4):
 def test_pp2_x_tp2(world4):
     _matches(world4, "pp2_tp2")
     assert all(r["pp2_tp2"]["dtensor_meshes"] == ["('tp',)"] for r in world4)
+
+
+def test_pp2_x_tp2_x_sp(world4):
+    _matches(world4, "pp2_tp2_sp")
 
 
 def test_changing_lengths_give_exact_gradients_and_build_one_schedule_per_length(world2):

@@ -140,11 +140,14 @@ def _export(options: NoOptions, layout, inputs: dict[str, Any]) -> dict[str, Any
 
 def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
     """Give the decoder the positions of the whole sequence before its embeddings are sharded;
-    drop a padding mask that pads nothing (it would be built at the local length)."""
+    drop a padding mask that pads nothing (it would be built at the local length). Hidden
+    states given instead of tokens (a later pipeline stage's input: the residual stream the
+    stage before sent) are already sharded along the sequence."""
     tokens = kwargs.get("input_ids", args[0] if args else None)
-    if tokens is None:
+    sharded = tokens is None
+    if sharded:
         tokens = kwargs.get("inputs_embeds")
-    seq = tokens.shape[1]
+    seq = tokens.shape[1] * (tp if sharded else 1)
     if seq % tp:
         raise ValueError(f"with sequence parallelism the sequence length ({seq}) must be "
                          f"divisible by tp = {tp}; pad the batch to a multiple of {tp}")
