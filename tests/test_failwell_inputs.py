@@ -152,3 +152,49 @@ def test_plan_with_a_tp_plan_table_imports_no_torch(tmp_path):
     assert "unknown TP style 'rowwize'" in done.stderr and "did you mean 'rowwise'" in \
         done.stderr, done.stderr
     assert "HEAVY []" in done.stderr
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_before_launch(tmp_path, capsys):
+    """A base model returns hidden states, not logits: the ranks used to crash in the loss."""
+    text = pipeline_text(tmp_path / "ck").replace("[model.config]",
+                                                  '[model]\narchitecture = "BertModel"\n'
+                                                  "[model.config]")
+    err = refused(capsys, write(tmp_path / "p.toml", text))
+    assert keys_of(err) == ["model.architecture"]
+    assert "[model] model.architecture: 'BertModel' is not a causal language model: " \
+        "training needs a *ForCausalLM class" in err
+    assert "fix: use a causal-LM class such as 'LlamaForCausalLM'" in err
+
+
+@pytest.mark.parametrize("config, said", [
+    ("{bad", "is not a valid JSON file"),
+    ('{"model_type": "nope_xx"}', "model type `nope_xx`"),
+])
+def test_a_config_json_transformers_cannot_read_has_a_fix_to_follow(tmp_path, capsys, config,
+                                                                    said):
+    """The fix used to say to change [model.config], which the file does not even have."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(config)
+    text = f'[model]\npath = "{tmp_path / "m"}"\n[train]\nglobal_batch_size = 2\n' \
+        "[plugins.fsdp2]\n"
+    err = refused(capsys, write(tmp_path / "p.toml", text))
+    assert keys_of(err) == ["model.path"]
+    assert f"transformers cannot read {tmp_path / 'm' / 'config.json'}: " in err and said in err
+    assert "fix: point model.path at a directory written by a transformers model's " \
+        "save_pretrained" in err and "[model.config]" not in err
+
+
+def test_pipelining_a_model_without_layers_says_to_give_it_layers(tmp_path, capsys):
+    """A config.json of 0 layers ([model.config] refuses 0 itself): the fix was to "use at
+    most 0 stages"."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 0, '
+        '"intermediate_size": 64, "vocab_size": 128}')
+    text = (f'[model]\npath = "{tmp_path / "m"}"\n[train]\nglobal_batch_size = 4\n'
+            "[plugins.pp]\nsize = 2\nmicrobatch_size = 1\n")
+    err = refused(capsys, write(tmp_path / "p.toml", text))
+    assert "2 pipeline stages but the model has no layers" in err
+    assert "fix: give the model at least 2 layers (num_hidden_layers), or remove pp" in err
+    assert "at most 0" not in err

@@ -53,6 +53,9 @@ def test_the_issue_example_is_accepted():
     ("[train]\noptimizer = \"adamw\"\nbetas = [0.9, 1.0]", "train.betas", "value"),
     ("[train]\noptimizer = \"adamw\"\nbetas = [0.9]", "train.betas", "value"),
     ("[train]\noptimizer = \"adamw\"\neps = 0", "train.eps", "value"),
+    ("[model.config]\nnum_hidden_layers = 0", "model.config.num_hidden_layers", "value"),
+    ("[model.config]\nnum_hidden_layers = -2", "model.config.num_hidden_layers", "value"),
+    ("[model.config]\nnum_hidden_layers = true", "model.config.num_hidden_layers", "value"),
 ])
 def test_bad_training_keys_are_named(text, key, rule):
     with pytest.raises(PlanError) as err:
@@ -204,3 +207,13 @@ def test_a_refused_seq_len_is_not_judged_again_by_the_plan():
     pipeline, bad = pipeline_and_problems(parse(text))
     assert [(v.rule, v.keys) for v in bad] == [("type", ("data.seq_len",))]
     pipeline.graph.compile(world_size=6)  # nothing else to say
+
+
+def test_a_model_without_layers_is_refused_up_front_with_a_fix():
+    """HF builds a model of 0 (or -2) layers; it has nothing to train or split."""
+    with pytest.raises(PlanError) as err:
+        loads_pipeline("[model.config]\nnum_hidden_layers = 0")
+    [v] = err.value.violations
+    assert (v.rule, v.keys) == ("value", ("model.config.num_hidden_layers",))
+    assert "must be an integer >= 1, got 0" in v.message
+    assert v.hint == "give the model at least one layer, e.g. num_hidden_layers = 2"

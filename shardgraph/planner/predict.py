@@ -77,8 +77,12 @@ def model_violations(shape: ModelShape, v: PlanView, setup: Setup) -> list[Viola
         if v.pp * v.stages_per_rank > shape.layers:
             bad.append(Violation("model", ("plugins.pp.size", "plugins.pp.stages_per_rank"),
                                  f"{v.pp * v.stages_per_rank} pipeline stages but the model has "
-                                 f"only {shape.layers} layers",
-                                 hint=f"use at most {shape.layers} stages"))
+                                 + (f"only {shape.layers} layers" if shape.layers
+                                    else "no layers"),
+                                 hint=f"use at most {shape.layers} stages" if shape.layers
+                                 else f"give the model at least {v.pp * v.stages_per_rank} "
+                                 "layers (num_hidden_layers), or remove pp: a model without "
+                                 "layers has nothing to split into stages"))
     if v.ep > 1 and (not shape.is_moe or shape.experts % v.ep):
         bad.append(Violation("model", ("plugins.ep.size",),
                              f"{shape.experts} experts are not divisible by ep = {v.ep}" if

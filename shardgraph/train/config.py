@@ -208,6 +208,13 @@ def _rules(p: dict[str, Any], bad: list[Violation], reads_data: bool = True) -> 
              f"tokenizer directory {data.tokenizer!r} does not exist",
              "give a directory written by tokenizer.save_pretrained; hub names are never "
              "downloaded")
+    layers = model.config.get("num_hidden_layers", 1)
+    # a model of no layers builds (HF configs accept 0 and negatives) and then has nothing
+    # to train or split: refused here, named as the user wrote it
+    need(isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1,
+         "model.config.num_hidden_layers",
+         f"model.config.num_hidden_layers must be an integer >= 1, got {layers!r}",
+         "give the model at least one layer, e.g. num_hidden_layers = 2")
     if model.path is not None:
         need(Path(model.path, "config.json").is_file(), "model.path",
              f"{model.path!r} is not a local HF model directory (no config.json)",

@@ -24,17 +24,31 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 ALWAYS = dict(attn_implementation="sdpa", use_cache=False)
 
 
+#: what ``[model] architecture`` must name: training computes a next-token loss on the logits
+CAUSAL_LM = "ForCausalLM"
+
+
 def _architecture(name: str):
     import transformers
 
     cls = getattr(transformers, name, None)
+    known = [n for n in dir(transformers) if n.endswith(CAUSAL_LM)]
     if cls is None or not isinstance(cls, type) or not issubclass(cls, nn.Module) \
             or getattr(cls, "config_class", None) is None:
-        known = [n for n in dir(transformers) if n.endswith("ForCausalLM")]
         raise PlanError([Violation(
             "model", ("model.architecture",),
             f"{name!r} is not an HF model class{did_you_mean(name, known)}",
             hint="use a transformers causal-LM class name such as 'LlamaForCausalLM'")])
+    if not name.endswith(CAUSAL_LM):
+        # a base model (BertModel) returns hidden states, not logits: the loss needs a head
+        family = name.removesuffix("Model").removesuffix("LMHead")
+        close = [n for n in known if n.startswith(family)] if family else []
+        raise PlanError([Violation(
+            "model", ("model.architecture",),
+            f"{name!r} is not a causal language model: training needs a *{CAUSAL_LM} class, "
+            "whose forward returns next-token logits",
+            hint=(f"use {close[0]!r}" if close else "use a causal-LM class such as "
+                  "'LlamaForCausalLM', 'Qwen2ForCausalLM' or 'MistralForCausalLM'"))])
     return cls
 
 
@@ -43,9 +57,25 @@ def hf_config(spec: ModelConfig):
     if spec.path is not None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
+        where = Path(spec.path, "config.json")
+        try:
+            config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:  # bad JSON, an unknown model_type
+            raise PlanError([Violation(
+                "model", ("model.path",), f"transformers cannot read {where}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}",
+                hint=f"point model.path at a directory written by a transformers model's "
+                "save_pretrained (config.json: valid JSON whose model_type transformers "
+                "knows, such as \"llama\" or \"qwen2\")")]) from None
         # setattr stores any name: a key the loaded config lacks would be ignored
         cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        if cls is None:
+            raise PlanError([Violation(
+                "model", ("model.path",), f"{where} describes a {type(config).__name__} "
+                f"(model_type {config.model_type!r}), which has no causal-LM class in "
+                f"transformers: training needs a *{CAUSAL_LM} class",
+                hint="point model.path at a causal language model's directory (its "
+                f"config.json's architectures name a *{CAUSAL_LM} class)")])
         check_config_keys(cls, type(config), spec.config, set(spec.config) - set(config.to_dict()))
         for key, value in {**spec.config, **ALWAYS}.items():
             setattr(config, key, value)
@@ -56,7 +86,9 @@ def hf_config(spec: ModelConfig):
         config = cls.config_class(**values)
     except (TypeError, ValueError) as exc:
         raise PlanError([Violation("model", ("model.config",), f"{cls.config_class.__name__} "
-                                   f"rejects these values: {exc}", hint="fix model.config")]) from None
+                                   f"rejects these values: {exc}",
+                                   hint="change the values the message names in "
+                                   "[model.config]")]) from None
     # A config class keeps an unknown keyword as a stray attribute; one it understands under
     # an older name (rope_theta -> rope_parameters) is consumed and does not reappear.
     check_config_keys(cls, cls.config_class, spec.config, set(spec.config) & set(config.to_dict()))

@@ -183,8 +183,11 @@ def model_violations(model: nn.Module, options, sched, wrapped: bool = False) ->
     if options.stages is None and n > plan.n_layers:
         bad.append(Violation(
             "model", ("plugins.pp.size", "plugins.pp.stages_per_rank"),
-            f"{n} pipeline stages but the model has only {plan.n_layers} layers",
-            hint=f"use at most {plan.n_layers} stages (pp * stages_per_rank)", plugin="pp",
+            f"{n} pipeline stages but the model has "
+            + (f"only {plan.n_layers} layers" if plan.n_layers else "no layers"),
+            hint=f"use at most {plan.n_layers} stages (pp * stages_per_rank)" if plan.n_layers
+            else f"give the model at least {n} layers (num_hidden_layers), or remove pp: a "
+            "model without layers has nothing to split into stages", plugin="pp",
         ))
     if options.layers_per_stage is not None and options.stages is None:
         need = math.ceil(plan.n_layers / options.layers_per_stage)
