@@ -420,3 +420,45 @@ def test_a_misspelt_model_key_hides_no_rule_of_the_plan_on_the_keys_given(tmp_pa
     for args in (["dryrun", path], ["train", path, "--nproc", "4"]):
         keys = _reported(args, capsys)[1]
         assert {"model.config.hidden_sizee", "model.config.num_attention_heads"} <= keys, args
+
+
+def test_estimate_refuses_the_models_dryrun_and_train_cannot_build(tmp_path, capsys):
+    """hidden_size 63 over 4 heads (Llama's config refuses it) and a config.json of a model
+    type no family has were estimated (or blamed on model.architecture, the user's '?')."""
+    odd = _write(tmp_path, "odd.toml", TINY.replace("hidden_size = 32", "hidden_size = 63"))
+    for command in (["estimate", odd], ["plan", odd, "--auto"]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert "[model] model.config: LlamaForCausalLM cannot be built from this config: " \
+            "hidden_size = 63 is not a multiple of num_attention_heads = 4" in err, err
+        assert "fix: set hidden_size to a multiple of 4 (e.g. 64), or num_attention_heads to a " \
+            "divisor of 63 (3, 1) in [model.config]" in err
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text('{"model_type": "bert", "hidden_size": 32}')
+    path = _write(tmp_path, "bert.toml", TINY.replace(
+        '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\n',
+        f'[model]\npath = "{bert}"\n[model.config]\n'))
+    assert main(["estimate", path]) == 2
+    err = capsys.readouterr().err
+    assert f"[model] model.path: {bert / 'config.json'} names model_type 'bert': no model " \
+        "family the planner knows" in err and "model.architecture" not in err
+    assert "fix: point model.path at a model of one of LlamaForCausalLM, " in err
+
+
+def test_estimate_of_a_pipeline_over_a_model_without_layers_says_to_give_it_layers(tmp_path,
+                                                                                    capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
+        "num_hidden_layers": 0, "intermediate_size": 64, "vocab_size": 64}))
+    path = _write(tmp_path, "p.toml", TINY.replace(
+        '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\n',
+        f'[model]\npath = "{empty}"\n[model.config]\n').replace(
+        "num_hidden_layers = 2\n", "").replace("[plugins.tp]\nsize = 2\n",
+                                               "[plugins.pp]\nsize = 2\nmicrobatch_size = 1\n"))
+    assert main(["estimate", path]) == 2
+    err = capsys.readouterr().err
+    assert "2 pipeline stages but the model has no layers" in err
+    assert "fix: give the model at least 2 layers (num_hidden_layers), or remove pp" in err

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from shardgraph.core.errors import PlanError
 from shardgraph.parallelisms.pp import split_layers
 from shardgraph.planner.memory import state_bytes
 from shardgraph.planner.predict import setup_of
@@ -314,3 +315,22 @@ def test_a_lora_block_keeps_what_its_adapters_need(targets, dropout, monkeypatch
     monkeypatch.setattr(memory, "MASK_BYTES", 4)  # the CPU's noise tensor, fp32
     counted = memory.act_bytes_per_token_layer(model_shape(pipeline.model), view, 4)
     assert -0.03 <= counted / measured - 1 <= 0.01, (counted, measured)
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_the_families_that_refuse_heads_not_dividing_hidden_are_those_transformers_refuses(arch):
+    """``estimate`` refuses, without transformers, what the config class refuses."""
+    import transformers
+
+    from shardgraph.planner.shape import HEADS_DIVIDE_HIDDEN, shape_from_values
+
+    values = {**TINY, "hidden_size": 63, "num_attention_heads": 4, "head_dim": 16}
+    try:
+        getattr(transformers, arch).config_class(**values)
+        refused = False
+    except Exception:  # noqa: BLE001 - huggingface_hub's validation error is no ValueError
+        refused = True
+    assert (arch in HEADS_DIVIDE_HIDDEN) == refused
+    if refused:
+        with pytest.raises(PlanError, match="is not a multiple of num_attention_heads = 4"):
+            shape_from_values(arch, values)

@@ -42,6 +42,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
                                 mlp_only_layers=[]),
 }
 _BY_TYPE = {v["model_type"]: k for k, v in FAMILIES.items()}
+#: Families whose config class refuses a hidden_size its attention heads do not divide (its
+#: ``validate_architecture``): refused here too, so ``estimate`` refuses the model ``dryrun`` and
+#: ``train`` cannot build (a test checks this set against transformers).
+HEADS_DIVIDE_HIDDEN = frozenset({"LlamaForCausalLM"})
 
 
 @attrs.frozen
@@ -171,9 +175,10 @@ def _problem(key: str, message: str, hint: str) -> PlanError:
     return PlanError([Violation("model", (key,), message, hint=hint)])
 
 
-def shape_from_values(architecture: str, values: dict[str, Any], dtype: str = "fp32"
-                      ) -> ModelShape:
-    """The shape of ``architecture`` built with config ``values`` (class defaults fill the rest)."""
+def shape_from_values(architecture: str, values: dict[str, Any], dtype: str = "fp32",
+                      key: str = "model.config") -> ModelShape:
+    """The shape of ``architecture`` built with config ``values`` (class defaults fill the rest);
+    ``key``: where the values came from (``model.path``: a config.json under [model.config])."""
     if architecture not in FAMILIES:
         raise _problem("model.architecture",
                        f"the planner has no shape for {architecture!r}"
@@ -182,6 +187,14 @@ def shape_from_values(architecture: str, values: dict[str, Any], dtype: str = "f
     v = {**FAMILIES[architecture], **values}
     try:
         h, heads = int(v["hidden_size"]), int(v["num_attention_heads"])
+        if architecture in HEADS_DIVIDE_HIDDEN and heads > 0 and h % heads:
+            over = " (they override config.json's)" if key == "model.path" else ""
+            fits = [n for n in range(heads, 0, -1) if h % n == 0][:3]
+            raise _problem(key, f"{architecture} cannot be built from this config: "
+                           f"hidden_size = {h} is not a multiple of num_attention_heads = "
+                           f"{heads}", f"set hidden_size to a multiple of {heads} (e.g. "
+                           f"{(h // heads + 1) * heads}), or num_attention_heads to a divisor "
+                           f"of {h} ({', '.join(map(str, fits))}) in [model.config]{over}")
         layers = int(v["num_hidden_layers"])
         head_dim = v.get("head_dim") or h // heads
         kv = v.get("num_key_value_heads") or heads
@@ -201,6 +214,8 @@ def shape_from_values(architecture: str, values: dict[str, Any], dtype: str = "f
             top_k=int(v.get("num_experts_per_tok") or 0) if experts else 0,
             moe_intermediate=int(v.get("moe_intermediate_size") or v["intermediate_size"]),
             moe_layers=moe, param_bytes=2 if dtype == "bf16" else 4)
+    except PlanError:  # a ValueError too: raised above, whole
+        raise
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise _problem("model.config", f"cannot read the model's sizes: {exc!r}",
                        "give integer hidden_size, num_attention_heads, num_hidden_layers, "
@@ -226,4 +241,12 @@ def model_shape(spec) -> ModelShape:
     arch = names[0] if names else _BY_TYPE.get(values.get("model_type", ""), "?")
     if arch not in FAMILIES and values.get("model_type") in _BY_TYPE:
         arch = _BY_TYPE[values["model_type"]]
-    return shape_from_values(arch, {**values, **spec.config}, spec.dtype)
+    if arch not in FAMILIES:  # the file's own names, not a key the user did not write
+        said = (f"architectures {names!r}" if names else
+                f"model_type {values['model_type']!r}" if "model_type" in values else
+                "neither architectures nor model_type")
+        raise _problem("model.path", f"{path} names {said}: no model family the planner "
+                       f"knows{did_you_mean(str(names[0]), list(FAMILIES)) if names else ''}",
+                       f"point model.path at a model of one of {', '.join(FAMILIES)} (its "
+                       "config.json names one in architectures, or its model_type)")
+    return shape_from_values(arch, {**values, **spec.config}, spec.dtype, key="model.path")
