@@ -462,3 +462,21 @@ def test_estimate_of_a_pipeline_over_a_model_without_layers_says_to_give_it_laye
     err = capsys.readouterr().err
     assert "2 pipeline stages but the model has no layers" in err
     assert "fix: give the model at least 2 layers (num_hidden_layers), or remove pp" in err
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate", "train"])
+def test_a_named_pipe_or_a_directory_is_refused_not_waited_on(command, tmp_path):
+    """Opening a FIFO waits for a writer forever: it is told apart before it is opened (run in
+    a child with a timeout, so that a regression fails instead of hanging the suite)."""
+    import os
+
+    fifo = tmp_path / "p.toml"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a named pipe (FIFO)"), (tmp_path, "a directory")):
+        code = "import sys; from shardgraph.cli import main; sys.exit(main(sys.argv[1:]))"
+        done = subprocess.run([sys.executable, "-c", code, command, str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert f"[file] {path}: {path} is {kind}, not a pipeline file" in done.stderr
+        assert "fix: give the path of a pipeline's TOML file (a regular file)" in done.stderr
+        assert "Traceback" not in done.stderr

@@ -8,6 +8,8 @@ TOML only names registered plugins; it never names code to import.
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -77,6 +79,18 @@ FILE_SUBJECT = "the pipeline file"
 def read(path: str | Path) -> str:
     """A pipeline file's text; an unreadable file is a PlanError naming it."""
     try:
+        # a named pipe, a device or a directory is not a file: opening a FIFO waits for a
+        # writer forever, so the kind is told from its metadata before it is opened
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe (FIFO)"
+                    if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a regular file")
+            raise PlanError([Violation(
+                "file", (str(path),), f"{path} is {kind}, not a pipeline file",
+                hint="give the path of a pipeline's TOML file (a regular file), e.g. "
+                "examples/fsdp2.toml")], subject=FILE_SUBJECT)
         # utf-8-sig: a byte-order mark some editors write is not TOML's, nor visible
         return Path(path).read_text(encoding="utf-8-sig")
     except OSError as exc:
