@@ -22,7 +22,7 @@ import attrs
 from .core.errors import PlanError, PlanWarning, Violation
 from .graphs.explain import explain, rank_groups, to_dot, to_svg
 from .graphs.toml import load_toml
-from .commands.planner import add_auto_arguments, run_auto
+from .commands.planner import add_auto_arguments, auto_option_problems, run_auto
 from .plugins.builtin import default_registry
 from .plugins._describe import describe
 
@@ -97,10 +97,21 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_auto_arguments(parser)
 
 
+def _compile_with(args: argparse.Namespace, bad: list[Violation]):
+    """The plan of the command line, its problems raised with ``bad`` (the options' own)."""
+    try:
+        plan = _compile(args)
+    except PlanError as exc:
+        raise PlanError([*bad, *exc.violations]) from None
+    if bad:
+        raise PlanError(bad)
+    return plan
+
+
 def run_plan(args: argparse.Namespace) -> int:
     if args.auto:
         return run_auto(args)
-    plan = _compile(args)
+    plan = _compile_with(args, auto_option_problems(args))
     if args.json:
         data = plan.to_dict()
         data["groups"] = rank_groups(plan.layout)  # the ranks of each process group
@@ -118,10 +129,15 @@ def explain_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    plan = _compile(args)
+    # an empty name (a shell variable that was not set) is a mistake, not "no picture"
+    bad = [Violation("value", (flag,), f"{flag} was given an empty file name",
+                     hint=f"give the file to write, e.g. {flag} plan.{flag[2:]}, or leave "
+                     f"{flag} out") for flag, path in (("--svg", args.svg), ("--dot", args.dot))
+           if path is not None and not path.strip()]
+    plan = _compile_with(args, bad)
     print(explain(plan))
     for path, draw in ((args.svg, to_svg), (args.dot, to_dot)):
-        if path:
+        if path is not None:
             try:
                 Path(path).write_text(draw(plan), encoding="utf-8")
             except OSError as exc:

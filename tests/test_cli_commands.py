@@ -480,3 +480,26 @@ def test_a_named_pipe_or_a_directory_is_refused_not_waited_on(command, tmp_path)
         assert f"[file] {path}: {path} is {kind}, not a pipeline file" in done.stderr
         assert "fix: give the path of a pipeline's TOML file (a regular file)" in done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_options_that_would_be_ignored_are_refused_by_name(tiny, capsys):
+    """plan --top / --gpu without --auto, --top 0, an empty --gpu, an empty --svg: each was
+    silently ignored (the default GPU, no picture, the one plan)."""
+    assert main(["plan", tiny, "--top", "0", "--gpu", "H200"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardgraph plan: 3 problems in the command line:")
+    for flag in ("--top", "--gpu"):
+        assert f"[option] {flag}, --auto: {flag} is read only with --auto" in err
+        assert f"fix: add --auto to rank plans, or remove {flag}" in err
+    assert "[value] --top: --top must be >= 1, got 0" in err
+    assert main(["plan", tiny, "--auto", "--top", "0"]) == 2
+    assert "[value] --top: --top must be >= 1, got 0" in capsys.readouterr().err
+    for command in (["estimate", tiny, "--gpu", ""], ["plan", tiny, "--auto", "--gpu", ""]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert "[value] --gpu: --gpu names no GPU (it is empty)" in err
+        assert "fix: valid: 'A100-40GB', " in err
+    assert main(["explain", tiny, "--svg", ""]) == 2
+    err = capsys.readouterr().err
+    assert "[value] --svg: --svg was given an empty file name" in err
+    assert "fix: give the file to write, e.g. --svg plan.svg, or leave --svg out" in err

@@ -58,9 +58,31 @@ def add_auto_arguments(p: argparse.ArgumentParser) -> None:
     """The options ``plan`` takes with ``--auto``."""
     p.add_argument("--auto", action="store_true", help="search every valid plan for the model "
                    "and world and rank them by predicted tokens/s (needs [model], [data], [train])")
-    p.add_argument("--top", type=int, default=5, help="with --auto: how many plans to show")
+    p.add_argument("--top", type=int, default=None, help=f"with --auto: how many plans to "
+                   f"show (default {TOP})")
     p.add_argument("--gpu", default=None, help="with --auto: GPU preset (default: [cluster] gpu, "
                    "else H100-SXM)")
+
+
+#: how many plans ``plan --auto`` shows unless ``--top`` says
+TOP = 5
+#: the options only ``--auto`` reads
+AUTO_ONLY = ("--top", "--gpu")
+
+
+def auto_option_problems(args: argparse.Namespace) -> list[Violation]:
+    """``--top`` and ``--gpu`` given without ``--auto`` (which alone reads them), and a
+    ``--top`` below 1: each named, so none is silently ignored."""
+    bad = []
+    if not args.auto:
+        given = [flag for flag in AUTO_ONLY if getattr(args, flag[2:]) is not None]
+        bad += [Violation("option", (flag, "--auto"), f"{flag} is read only with --auto (which "
+                          "ranks every valid plan); plan without it prints the file's one plan",
+                          hint=f"add --auto to rank plans, or remove {flag}") for flag in given]
+    if args.top is not None and args.top < 1:
+        bad.append(Violation("value", ("--top",), f"--top must be >= 1, got {args.top}",
+                             hint=f"e.g. --top {TOP}, or leave it out for {TOP}"))
+    return bad
 
 
 def run_auto(args: argparse.Namespace) -> int:
@@ -68,14 +90,13 @@ def run_auto(args: argparse.Namespace) -> int:
 
     # the options' problems and the file's, in one report
     pipeline, problems = _read(args.file)
-    if args.top < 1:
-        problems.append(Violation("value", ("--top",), f"--top must be >= 1, got {args.top}",
-                                  hint="e.g. --top 5"))
+    problems += auto_option_problems(args)
     world = _world(args, pipeline)
     if world is None:
         problems.append(Violation("size", ("--world-size",), "no world size given",
                                   hint="pass --world-size N (or set [mesh] world_size)"))
+    top = TOP if args.top is None or args.top < 1 else args.top
     result = autoplan(pipeline, world, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
-                      top=args.top, gpus_per_node_key="--gpus-per-node", problems=problems)
+                      top=top, gpus_per_node_key="--gpus-per-node", problems=problems)
     print(json.dumps(result) if args.json else render_candidates(result))
     return 0

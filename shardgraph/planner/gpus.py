@@ -130,13 +130,15 @@ def resolve_gpu(name: str | None, table: ClusterTable | None = None, *,
     ``bad``: where its problems go (all at once; then the default preset stands in), else
     they raise."""
     table = table or ClusterTable()
-    chosen = name or table.gpu or DEFAULT_GPU
-    key = name_key if name else "cluster.gpu"
+    # an empty name is a mistake to name, not a request for the default
+    chosen = name if name is not None else table.gpu if table.gpu is not None else DEFAULT_GPU
+    key = name_key if name is not None else "cluster.gpu"
     found = {n.lower(): g for n, g in PRESETS.items()}.get(chosen.lower())
     problems = []
     if found is None:
         problems.append(Violation(
-            "value", (key,), f"unknown GPU {chosen!r}{did_you_mean(chosen, list(PRESETS))}",
+            "value", (key,), f"{key} names no GPU (it is empty)" if not chosen.strip() else
+            f"unknown GPU {chosen!r}{did_you_mean(chosen, list(PRESETS))}",
             hint=choices_hint(chosen, list(PRESETS)) + "; or override figures in [cluster]"))
         found = PRESETS[DEFAULT_GPU]
     problems += [Violation("value", (f"cluster.{f.name}",), f"cluster.{f.name} must be > 0, "
