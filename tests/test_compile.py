@@ -57,6 +57,7 @@ def test_compile_runs_after_what_rewrites_a_block_and_before_the_data_parallel_w
     ({"mode": "default", "backend": "aot_eager"},
      ["plugins.compile.mode", "plugins.compile.backend"], "is an inductor mode"),
     ({"backend": ""}, ["plugins.compile.backend"], "must name a torch.compile backend"),
+    ({"backend": "nope"}, ["plugins.compile.backend"], "no torch.compile backend named 'nope'"),
     ({"fullgraph": "yes"}, ["plugins.compile.fullgraph"], "expected bool"),
     ({"dynamic": 1}, ["plugins.compile.dynamic"], "expected bool"),
     ({"fullgrap": True}, ["plugins.compile.fullgrap"], "did you mean 'fullgraph'"),
@@ -67,13 +68,31 @@ def test_bad_compile_options_are_plan_errors(options, keys, words):
     assert list(info.value.keys) == keys and info.value.plugin == "compile"
 
 
-def test_an_unknown_backend_or_missed_blocks_fail_before_the_model_changes():
+def test_an_unknown_backend_fails_at_plan_time_with_torch_s_choices():
+    """``shardgraph plan`` took ``backend = "nope"``: the backend was checked only when the
+    model was there. The list is torch's, read without importing torch._dynamo."""
+    import torch._dynamo
+
+    from shardgraph.parallelisms.compile import BACKENDS, known_backends
+
+    with pytest.raises(PlanError) as info:
+        Graph().add("compile", backend="aot_eagr").compile(world_size=1)
+    [v] = info.value.violations
+    assert (v.rule, v.keys, v.plugin) == ("option", ("plugins.compile.backend",), "compile")
+    assert v.message == "no torch.compile backend named 'aot_eagr' (did you mean 'aot_eager'?)"
+    assert v.hint.startswith("use 'aot_eager'; valid: 'aot_eager', ")
+    assert "'inductor'" in v.hint and "TESTING_ONLY" not in v.hint
+    assert "entry-point group 'torch_dynamo_backends'" in v.hint
+    assert set(known_backends()) == set(torch._dynamo.list_backends(exclude_tags=()))
+    assert len(BACKENDS) == len(set(BACKENDS))
+
+
+def test_missed_blocks_fail_before_the_model_changes():
     model = tiny_llama(layers=1)
-    plan = Graph().add("compile", backend="aot_eagr", blocks="decoder.*").compile(world_size=1)
+    plan = Graph().add("compile", backend="aot_eager", blocks="decoder.*").compile(world_size=1)
     with pytest.raises(PlanError) as info:
         plan.apply(model, plan.build_mesh("cpu"))
-    assert set(info.value.keys) == {"plugins.compile.backend", "plugins.compile.blocks"}
-    assert "did you mean 'aot_eager'" in str(info.value)
+    assert set(info.value.keys) == {"plugins.compile.blocks"}
     assert "forward" not in vars(model.model.layers[0])  # nothing was compiled
 
 

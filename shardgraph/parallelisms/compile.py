@@ -39,6 +39,29 @@ if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is r
 #: inductor's modes (``torch.compile(mode=...)``); other backends take none
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 INDUCTOR = "inductor"
+#: torch.compile's backends, as ``torch._dynamo.list_backends(exclude_tags=())`` lists them:
+#: copied, because importing ``torch._dynamo`` takes seconds and ``shardgraph plan`` imports no
+#: torch (tests/test_compile.py keeps this equal to the installed torch's list; the step's model
+#: check asks torch itself, for a torch whose list differs)
+BACKENDS = (
+    "aot_eager", "aot_eager_decomp_partition", "aot_eager_decomp_partition_crossref",
+    "aot_eager_decomp_partition_with_mode", "aot_eager_default_partitioner", "aot_ts",
+    "cudagraphs", "dynamo_accuracy_minifier_backend", "dynamo_minifier_backend", "eager",
+    "eager_debug", "eager_noexcept", "inductor", "invoke_subgraph",
+    "non_leaf_compile_error_TESTING_ONLY", "openxla", "openxla_eval", "pre_dispatch_eager",
+    "relu_accuracy_error_TESTING_ONLY", "relu_compile_error_TESTING_ONLY",
+    "relu_runtime_error_TESTING_ONLY", "ts", "tvm",
+)
+#: where installed packages register their own backends for torch to find
+BACKEND_ENTRY_POINTS = "torch_dynamo_backends"
+
+
+def known_backends() -> tuple[str, ...]:
+    """``BACKENDS`` and the backends installed packages register (read without importing
+    them, as torch finds them)."""
+    from importlib.metadata import entry_points
+
+    return (*BACKENDS, *sorted(ep.name for ep in entry_points(group=BACKEND_ENTRY_POINTS)))
 
 
 @attrs.frozen
@@ -62,6 +85,14 @@ def _check(options: CompileOptions, layout, settings) -> list[Violation]:
     if not options.backend:
         bad.append(Violation("option", ("backend",), "backend must name a torch.compile backend",
                              hint="backend = \"inductor\" (the default), or \"aot_eager\""))
+    elif options.backend not in (names := known_backends()):
+        # torch's test-only backends are accepted but not offered
+        offered = [n for n in names if not n.endswith("_TESTING_ONLY")]
+        bad.append(Violation(
+            "option", ("backend",), f"no torch.compile backend named {options.backend!r}"
+            f"{did_you_mean(options.backend, offered)}",
+            hint=choices_hint(options.backend, offered) + "; a third-party backend is found "
+            f"through the entry-point group {BACKEND_ENTRY_POINTS!r} of an installed package"))
     if options.mode is not None:
         if options.mode not in MODES:
             bad.append(Violation(
