@@ -14,6 +14,7 @@ import pytest
 from shardgraph.cli import main
 from shardgraph.core.errors import PlanError
 from shardgraph.graphs import Graph
+from shardgraph.graphs.toml import loads_toml
 from tests.test_failwell import pipeline_text, write
 
 
@@ -198,3 +199,36 @@ def test_pipelining_a_model_without_layers_says_to_give_it_layers(tmp_path, caps
     assert "2 pipeline stages but the model has no layers" in err
     assert "fix: give the model at least 2 layers (num_hidden_layers), or remove pp" in err
     assert "at most 0" not in err
+
+
+@pytest.mark.parametrize("world, gpus, hint", [
+    # 3 divides 3 and leaves dp = 2 of world 6: the one size both rules accept
+    (6, 3, "set plugins.tp.size to 3 (the one size that divides gpus_per_node = 3 and world "
+     "size 6), or remove tp"),
+    # 3 divides 3 but not world 4: no size fits, the suggestion is no longer "a divisor of 3"
+    (4, 3, "no tp size > 1 divides gpus_per_node = 3 and world size 4: remove tp"),
+    (12, 6, None),  # tp 2 divides 6: accepted
+    (8, 12, "set plugins.tp.size to one of 2, 4 (the sizes that divide gpus_per_node = 12 "
+     "and world size 8), or remove tp"),
+])
+def test_a_within_node_fix_names_sizes_the_world_rule_accepts_too(world, gpus, hint):
+    graph = Graph().add("fsdp2").add("tp", size=2 if gpus != 12 else 8)
+    if hint is None:
+        graph.compile(world_size=world, gpus_per_node=gpus)
+        return
+    with pytest.raises(PlanError) as info:
+        graph.compile(world_size=world, gpus_per_node=gpus)
+    [v] = [v for v in info.value.violations if v.rule == "within-node"]
+    assert v.keys == ("plugins.tp.size", "gpus_per_node")
+    assert v.hint.startswith(hint) and "divisor of" not in v.hint
+
+
+def test_a_within_node_fix_in_the_distributed_form_names_its_keys():
+    with pytest.raises(PlanError) as info:
+        loads_toml("[distributed]\ntp_size = 3\npp_size = 2\n[mesh]\nworld_size = 8\n"
+                   ).compile()
+    [v] = [v for v in info.value.violations if v.rule == "within-node"]
+    assert v.keys == ("distributed.tp_size",)
+    assert v.hint.startswith("set distributed.tp_size to one of 2, 4 (the sizes that divide "
+                             "gpus_per_node = 8 and, times the other degrees of pp * cp * tp "
+                             "(2), world size 8), or set distributed.tp_size = 1")

@@ -195,6 +195,16 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
     for axis, req in owners.items():
         if req.within_node and axis in sizes and gpus is not None and gpus % sizes[axis]:
             fits = [d for d in divisors(gpus) if d > 1]
+            # only sizes rule 1 accepts too: the other model degrees times it divide the world
+            others = pp * cp * tp // sizes[axis] if axis in (Axis.PP, Axis.CP, Axis.TP) else 1
+            if world is not None and not unknown & {Axis.PP, Axis.CP, Axis.TP}:
+                fits = [d for d in fits if world % (others * d) == 0]
+            # a [plugins.X] table is removed; a [distributed] size key is set to 1
+            drop = (f"remove {req.owner}" if req.size_key == f"plugins.{req.owner}.size"
+                    else f"set {req.size_key} = 1")
+            times = f", times the other degrees of pp * cp * tp ({others})," if others > 1 else ""
+            bounds = f"gpus_per_node = {gpus}" + (f" and{times} world size {world}"
+                                                  if world is not None else "")
             # a default the user never wrote is said to be one, with where to set it
             unset = request.gpus_per_node is None
             node = (f"the default gpus_per_node = {gpus} ({gpus_key} is not set)" if unset
@@ -204,8 +214,11 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
                 "within-node", (req.size_key,) if unset else (req.size_key, gpus_key),
                 f"{req.owner} = {sizes[axis]} does not divide {node}: its groups would span "
                 "nodes",
-                hint=(f"choose a divisor of {gpus} ({divisor_list(fits)}){own}" if fits else
-                      f"gpus_per_node = {gpus} leaves no room for {req.owner}: remove it{own}"),
+                hint=(f"set {req.size_key} to one of {divisor_list(fits)} (the sizes that "
+                      f"divide {bounds}), or {drop}{own}" if len(fits) > 1 else
+                      f"set {req.size_key} to {fits[0]} (the one size that divides {bounds}), "
+                      f"or {drop}{own}" if fits else
+                      f"no {req.owner} size > 1 divides {bounds}: {drop}{own}"),
                 plugin=req.owner,
             ))
 
