@@ -146,3 +146,57 @@ def test_toml_names_no_code():
     with pytest.raises(PlanError) as info:
         loads_toml('[plugins."os:system"]\n').compile(world_size=1)
     assert info.value.rule == "unknown-plugin"
+
+
+@pytest.mark.parametrize("text, key, message, hint", [
+    # pp's check says microbatch_size; the file says pp_microbatch_size
+    ("pp_size = 2\n[distributed.pipeline]\npp_microbatch_size = 3\n[step_scheduler]\n"
+     "local_batch_size = 4\n", "distributed.pipeline.pp_microbatch_size",
+     "local_batch_size = 4 is not divisible by pp_microbatch_size = 3",
+     "choose a pp_microbatch_size that divides the local batch size"),
+    ("pp_size = 2\n[distributed.pipeline]\npp_microbatch_size = 0\n",
+     "distributed.pipeline.pp_microbatch_size", "pp_microbatch_size must be >= 1, got 0",
+     "set pp_microbatch_size = 1 or more"),
+    # a type error names the key, not the option
+    ("pp_size = 2\n[distributed.pipeline]\npp_microbatch_size = \"x\"\n",
+     "distributed.pipeline.pp_microbatch_size", "expected int, got str 'x'",
+     "give distributed.pipeline.pp_microbatch_size a value of type int"),
+    # the compiler's own fixes: not "remove hsdp", "remove sp" or "use fsdp2 instead of ddp"
+    ("strategy = \"ddp\"\ndp_replicate_size = 2\n", "distributed.dp_replicate_size",
+     "ddp does not support hsdp",
+     "set distributed.dp_replicate_size = 1, or set distributed.strategy = \"fsdp2\""),
+    ("strategy = \"ddp\"\nsequence_parallel = true\n", "distributed.sequence_parallel",
+     "ddp does not support sp",
+     "remove distributed.sequence_parallel, or set distributed.strategy = \"fsdp2\""),
+])
+def test_distributed_form_problems_are_said_in_the_file_s_keys(text, key, message, hint):
+    with pytest.raises(PlanError) as info:
+        loads_toml("[distributed]\n" + text).compile(world_size=8)
+    [v] = info.value.violations
+    assert key in v.keys and message in v.message and v.hint == hint
+
+
+def test_the_graph_form_keeps_the_plugin_s_option_names():
+    with pytest.raises(PlanError) as info:
+        loads_toml("[plugins.pp]\nsize = 2\nmicrobatch_size = 3\n[plugins.fsdp2]\n"
+                   "[step_scheduler]\nlocal_batch_size = 4\n").compile(world_size=8)
+    [v] = info.value.violations
+    assert v.keys == ("plugins.pp.microbatch_size", "step_scheduler.local_batch_size")
+    assert v.hint == "choose a microbatch_size that divides the local batch size"
+    with pytest.raises(PlanError) as info:
+        loads_toml("[plugins.ddp]\n[plugins.hsdp]\nsize = 2\n").compile(world_size=8)
+    assert "remove hsdp (or set plugins.hsdp.size = 1), or use fsdp2 instead of ddp" == \
+        info.value.violations[0].hint
+
+
+def test_a_pipeline_option_left_unset_is_named_where_the_file_would_set_it():
+    """It was ``distributed.pp_size.microbatch_size``: no key a file can hold."""
+    graph = loads_toml("[distributed]\npp_size = 2\n[step_scheduler]\nlocal_batch_size = 4\n")
+    graph.micro_batch_size = 2
+    graph.keys["micro_batch_size"] = "train.micro_batch_size"
+    with pytest.raises(PlanError) as info:
+        graph.compile(world_size=4)
+    [v] = info.value.violations
+    assert v.keys == ("train.micro_batch_size", "distributed.pipeline.pp_microbatch_size")
+    assert v.hint.startswith("set distributed.pipeline.pp_microbatch_size = 2 (4 // 2 = 2 "
+                             "microbatches) and remove micro_batch_size")

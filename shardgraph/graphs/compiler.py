@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import heapq
+import re
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -366,11 +367,24 @@ def _may_provide(entry: Entry, need: str, registry: Registry) -> bool:
     return bool(difflib.get_close_matches(entry.name, names, n=1, cutoff=0.6))
 
 
+def _drop(r: _Resolved) -> str:
+    """How to take ``r`` out of the plan, in the form the user wrote it: ``remove hsdp`` for a
+    ``[plugins.hsdp]`` table, ``set distributed.dp_replicate_size = 1`` for NeMo's size key."""
+    entry, plugin = r.entry, r.plugin
+    if entry.path in ("", f"plugins.{plugin.name}"):
+        return f"remove {plugin.name}"
+    if plugin.sized and entry.origin("size") == entry.path:
+        return f"set {entry.path} = 1"
+    if plugin.kind is Kind.STRATEGY:  # a form with a default strategy: choose another
+        return f"set {entry.path} to another strategy"
+    return f"remove {entry.path}"
+
+
 def _requires_hint(r: _Resolved, need: str, idle, resolved, registry: Registry,
                    contested: set[str]) -> str:
     """``contested``: the plugins ``r`` conflicts with, whose fate that conflict's fix decides
     (a stand-in must not be refused for clashing with them)."""
-    remove = f"remove {r.plugin.name}"
+    remove = _drop(r)
     if idle:
         p = idle[0]
         if p.plugin.sized:
@@ -402,8 +416,8 @@ def _provided(kept, cand: Plugin) -> frozenset[str]:
 def _conflict_hint(r: _Resolved, other: _Resolved, active,
                    registry: Registry) -> tuple[str, list[str]]:
     """The hint, and the stand-ins for ``r`` it names."""
-    drop = f"remove {other.plugin.name}"
-    if other.plugin.sized:
+    drop = _drop(other)
+    if other.plugin.sized and drop.startswith("remove "):
         drop += f" (or set {other.entry.origin('size')} = 1)"
     if r.plugin.kind is not Kind.STRATEGY:  # only a strategy has stand-ins (one per plan)
         return drop, []
@@ -415,10 +429,13 @@ def _conflict_hint(r: _Resolved, other: _Resolved, active,
         and not any(_clash(cand, x) for x in rest)
         and not cand.requires - frozenset(c for x in rest for c in x.provides)
     ]
-    if alternatives:
-        return f"{drop}, or use {' or '.join(alternatives)} instead of {r.plugin.name}", \
-            alternatives
-    return drop, []
+    if not alternatives:
+        return drop, []
+    if r.entry.path in ("", f"plugins.{r.plugin.name}"):
+        return (f"{drop}, or use {' or '.join(alternatives)} instead of {r.plugin.name}",
+                alternatives)
+    return (f"{drop}, or set {r.entry.path} = " + " or ".join(f'"{a}"' for a in alternatives),
+            alternatives)
 
 
 def _order(active: list[_Resolved], bad) -> list[Step]:
@@ -485,11 +502,32 @@ def _order(active: list[_Resolved], bad) -> list[Step]:
 
 
 def _locate(v: Violation, r: _Resolved, graph: Graph) -> Violation:
-    """Map a plugin check's option names to the user's keys."""
+    """Map a plugin check's option names to the user's keys, in its keys and in its words
+    (a ``[distributed]`` file says ``pp_microbatch_size`` where pp's option is
+    ``microbatch_size``)."""
     names = attrs.fields_dict(r.plugin.options)
     keys = tuple(
         graph.key(k.removeprefix("settings.")) if k.startswith("settings.")
         else r.entry.origin(k) if k in names else k
         for k in v.keys
     ) or (r.entry.path,)
-    return attrs.evolve(v, keys=keys, plugin=v.plugin or r.plugin.name)
+    message, hint = v.message, v.hint
+    for name in names:
+        where = r.entry.origin(name)
+        if where == f"plugins.{r.plugin.name}.{name}":
+            continue  # the graph form: the option's name is the user's key
+        written = where.rsplit(".", 1)[-1]
+        message, hint = (_renamed(t, r.plugin.name, name, where, written) for t in (message, hint))
+    return attrs.evolve(v, keys=keys, message=message, hint=hint,
+                        plugin=v.plugin or r.plugin.name)
+
+
+def _renamed(text: str, plugin: str, name: str, where: str, written: str) -> str:
+    """``text`` with the option ``name`` said as the user wrote it: its graph-form key
+    (``plugins.pp.microbatch_size``) as the user's key, and the bare name as the user's. Only a
+    name with an underscore is replaced bare: one without (``size``, ``stages``) is also an
+    ordinary word of the message."""
+    text = text.replace(f"plugins.{plugin}.{name}", where)
+    if "_" not in name or name == written:
+        return text
+    return re.sub(rf"(?<![\w.]){re.escape(name)}(?!\w)", written, text)

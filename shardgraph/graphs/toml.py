@@ -279,6 +279,12 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
             continue
         options, origins = {"size": dist.get(key, 1)}, {"size": p + key}
         names = PIPELINE_KEYS if section == "pipeline" else {k: k for k in sub}
+        if section:  # an option left unset is still named where it would be written
+            spelled = {v: k for k, v in PIPELINE_KEYS.items()} if section == "pipeline" else {}
+            reg = registry if registry is not None else default_registry()
+            if plugin in reg:
+                origins.update({o: f"{p}{section}.{spelled.get(o, o)}"
+                                for o in option_names(reg.get(plugin).options) if o != "size"})
         # NeMo configs switch pipelining off with pp_size = 1 and keep the block: NeMo warns
         # and ignores it, and so does this form (the graph form refuses it as inactive).
         ignored = section == "pipeline" and options["size"] == 1 and bool(sub)
