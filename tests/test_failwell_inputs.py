@@ -232,3 +232,34 @@ def test_a_within_node_fix_in_the_distributed_form_names_its_keys():
     assert v.hint.startswith("set distributed.tp_size to one of 2, 4 (the sizes that divide "
                              "gpus_per_node = 8 and, times the other degrees of pp * cp * tp "
                              "(2), world size 8), or set distributed.tp_size = 1")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process saves
+def test_a_damaged_checkpoint_s_fix_runs_the_file_the_user_gave(tmp_path, capsys):
+    """The fix said `shardgraph train FILE --resume ...`: a command no one can run as written.
+    (A stand-in run: one DCP save of a tensor, with its manifest, and a damaged newer one.)"""
+    import json
+    import shlex
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardgraph.train import checkpoint as ckpt
+
+    work = tmp_path / "ck"
+    good, bad = work / "step_00000002", work / "step_00000004"
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(good))
+    files = {p.name: {"bytes": p.stat().st_size} for p in good.iterdir()}
+    (good / ckpt.META).write_text(json.dumps({"step": 2, "files": files}))
+    bad.mkdir()
+    (bad / ckpt.META).write_text("{")
+    path = write(tmp_path / "p.toml", pipeline_text(work))
+    err = refused(capsys, path)
+    assert keys_of(err) == ["checkpoint.resume"] and f"checkpoint {bad} is damaged" in err
+    assert f"`shardgraph train {shlex.quote(str(path))} --resume {shlex.quote(str(good))}`" \
+        in err and "FILE" not in err
+    # a pipeline that came from no file (the Python API's loads_pipeline) says so in words
+    with pytest.raises(PlanError) as info:
+        ckpt.read_meta(bad, pipeline_file="<string>")
+    assert f"run `shardgraph train` on your pipeline file with `--resume {good}`" in \
+        info.value.violations[0].hint

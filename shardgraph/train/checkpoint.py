@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 from collections.abc import Callable
@@ -125,19 +126,21 @@ def latest(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def read_meta(path: Path, key: str = "checkpoint.resume", command: str = "train"
-              ) -> dict[str, Any]:
+def read_meta(path: Path, key: str = "checkpoint.resume", command: str = "train", *,
+              pipeline_file: str | None = None) -> dict[str, Any]:
+    """``path``'s meta.json, or the problem with it (``pipeline_file``: the file the run was
+    given, named in the command a fix runs)."""
     if not path.is_dir():
         raise PlanError([Violation("checkpoint", (key,), f"checkpoint {str(path)!r} does not exist",
                                    hint="give the path of a step_* directory in checkpoint.dir")])
     if not is_complete(path):
         raise PlanError([Violation(
             "checkpoint", (key,), f"{str(path)!r} is not a complete checkpoint (no {META}): an "
-            "interrupted save", hint=_instead(path, command))])
+            "interrupted save", hint=_instead(path, command, pipeline_file))])
     meta, problem = _read_meta(path)
     if problem is not None:
         raise PlanError([Violation("checkpoint", (key,), f"checkpoint {path} is damaged: "
-                                   f"{problem}", hint=_instead(path, command))],
+                                   f"{problem}", hint=_instead(path, command, pipeline_file))],
                         subject="[checkpoint]")
     return meta
 
@@ -165,9 +168,11 @@ def previous(path: Path) -> Path | None:
     return next((p for p in reversed(older) if _structure_problem(p) is None), None)
 
 
-def _instead(path: Path, command: str = "train") -> str:
+def _instead(path: Path, command: str = "train", pipeline_file: str | None = None) -> str:
     """What to do about an unusable checkpoint: resume from the one before, or start fresh
-    (``command`` "export": export the one before)."""
+    (``command`` "export": export the one before). ``pipeline_file``: the file the run was
+    given, for a command that can be run as it is written (None, or a pipeline that came from
+    no file, such as ``<string>``: "your pipeline file")."""
     prev = previous(path)
     if command == "export":
         return (f"export the previous complete checkpoint of that run, {prev}" if prev else
@@ -176,9 +181,12 @@ def _instead(path: Path, command: str = "train") -> str:
              f"{path.name} out of {path.parent}")
     if prev is None:
         return f"no earlier complete checkpoint is left: {fresh}"
-    return (f"resume from the previous complete checkpoint for this one run: `shardgraph train "
-            f"FILE --resume {prev}` (the file keeps its resume setting; the steps after "
-            f"{prev.name} are saved again over {path.name}), or {fresh}")
+    run = (f"`shardgraph train {shlex.quote(pipeline_file)} --resume {shlex.quote(str(prev))}`"
+           if pipeline_file and not pipeline_file.startswith("<") else
+           f"run `shardgraph train` on your pipeline file with `--resume {shlex.quote(str(prev))}`")
+    return (f"resume from the previous complete checkpoint for this one run: {run} (the file "
+            f"keeps its resume setting; the steps after {prev.name} are saved again over "
+            f"{path.name}), or {fresh}")
 
 
 def settings(pipeline) -> dict[str, Any]:
@@ -251,7 +259,8 @@ def changed(meta: dict[str, Any], current: dict[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def check_intact(path: Path, key: str = "checkpoint.resume", command: str = "train") -> None:
+def check_intact(path: Path, key: str = "checkpoint.resume", command: str = "train", *,
+                 pipeline_file: str | None = None) -> None:
     """Refuse a complete checkpoint whose files are missing or of another size than its
     manifest and ``.metadata`` say (a truncated copy, a disk error): found before launch, in
     one process, by sizes alone; ``verify`` reads the bytes."""
@@ -259,7 +268,8 @@ def check_intact(path: Path, key: str = "checkpoint.resume", command: str = "tra
     if problem is not None:
         raise PlanError([Violation("checkpoint", (key,),
                                    f"checkpoint {path} is damaged: {problem}",
-                                   hint=_instead(path, command))], subject="[checkpoint]")
+                                   hint=_instead(path, command, pipeline_file))],
+                        subject="[checkpoint]")
 
 
 def _structure_problem(path: Path) -> str | None:
@@ -321,7 +331,7 @@ def _manifest(tmp: Path) -> dict[str, dict[str, Any]]:
             if p.is_file() and p.name != META and _writer(p.name, world) == rank}
 
 
-def verify(path: Path) -> None:
+def verify(path: Path, command: str = "train", *, pipeline_file: str | None = None) -> None:
     """Refuse ``path`` on every rank if any file's bytes differ from the manifest: each rank
     reads its share of the files (in parallel), and all agree before DCP reads anything."""
     meta, problem = _read_meta(path)
@@ -350,7 +360,8 @@ def verify(path: Path) -> None:
     if problem is not None:
         raise PlanError([Violation("checkpoint", ("checkpoint.resume",),
                                    f"checkpoint {path} is damaged: {problem}",
-                                   hint=_instead(path))], subject="[checkpoint]")
+                                   hint=_instead(path, command, pipeline_file))],
+                        subject="[checkpoint]")
 
 
 def _torch_words(exc: BaseException) -> str:
@@ -543,10 +554,12 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(part, path)
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+         command: str = "train", *, pipeline_file: str | None = None) -> None:
     """Load ``path`` into the (parallelised) model and optimizer, resharding as needed, once
-    every file is verified against the manifest (a collective)."""
-    verify(path)
+    every file is verified against the manifest (a collective); ``command`` and
+    ``pipeline_file`` as ``read_meta``'s, for the fix."""
+    verify(path, command, pipeline_file=pipeline_file)
     if optimizer is None:
         model_sd = _once(get_model_state_dict(model, options=_TRAINED), model)
         state = {"model": model_sd}
@@ -560,7 +573,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
         raise PlanError([Violation(
             "checkpoint", ("checkpoint.resume",), f"cannot load checkpoint {path}, it is "
             f"damaged or does not fit this model and optimizer: {_root_cause(exc)}",
-            hint=_instead(path))], subject="[checkpoint]") from None
+            hint=_instead(path, command, pipeline_file))], subject="[checkpoint]") from None
     if optimizer is None:
         set_state_dict(model, (), model_state_dict=state["model"], optim_state_dict={},
                        options=_INTO)

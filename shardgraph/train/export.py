@@ -33,7 +33,7 @@ def export_checkpoint(pipeline: Pipeline, path: Path, out: Path,
     def init(m) -> None:
         if any(not p.requires_grad for p in m.parameters()):
             base(m)  # frozen parameters (a LoRA base) are not in the checkpoint: [model]'s
-        ckpt.load(path, m, None)
+        ckpt.load(path, m, None, "export")
 
     parallel = plan.apply(model, plan.build_mesh("cpu"), init=init)
     if ckpt.ADAPTERS in parallel.values and peft_out is None:

@@ -115,11 +115,11 @@ def resume_point(pipeline: Pipeline) -> Path | None:
         path = Path(c.resume)
     if path is None:
         return None
-    meta = ckpt.read_meta(path)
+    meta = ckpt.read_meta(path, pipeline_file=pipeline.source)
     # every setting the saved state depends on (the data position counts sequences of
     # global_batch_size, the optimizer state is the optimizer's, ...), then the shard files
     ckpt.check_compatible(meta, ckpt.settings(pipeline), path)
-    ckpt.check_intact(path)
+    ckpt.check_intact(path, pipeline_file=pipeline.source)
     return path
 
 
@@ -232,7 +232,7 @@ def train(pipeline: Pipeline, *, steps: int | None = None, metrics: str | None =
                 f"mesh {plan.layout.sizes()}")
     settings = ckpt.settings(pipeline)
     if resume is not None:
-        ckpt.load(resume, parallel.module, optimizer)
+        ckpt.load(resume, parallel.module, optimizer, pipeline_file=pipeline.source)
         saved = ckpt.read_meta(resume)
         start = saved["step"]
         report.info(f"resumed from {resume} at step {start}{ckpt.changed(saved, settings)}")
