@@ -230,8 +230,8 @@ def test_a_within_node_fix_in_the_distributed_form_names_its_keys():
     [v] = [v for v in info.value.violations if v.rule == "within-node"]
     assert v.keys == ("distributed.tp_size",)
     assert v.hint.startswith("set distributed.tp_size to one of 2, 4 (the sizes that divide "
-                             "gpus_per_node = 8 and, times the other degrees of pp * cp * tp "
-                             "(2), world size 8), or set distributed.tp_size = 1")
+                             "gpus_per_node = 8 and keep world size 8 divisible by pp * cp * "
+                             "tp), or set distributed.tp_size = 1")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process saves

@@ -202,9 +202,9 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
             # a [plugins.X] table is removed; a [distributed] size key is set to 1
             drop = (f"remove {req.owner}" if req.size_key == f"plugins.{req.owner}.size"
                     else f"set {req.size_key} = 1")
-            times = f", times the other degrees of pp * cp * tp ({others})," if others > 1 else ""
-            bounds = f"gpus_per_node = {gpus}" + (f" and{times} world size {world}"
-                                                  if world is not None else "")
+            bounds = f"gpus_per_node = {gpus}" + (
+                "" if world is None else f" and world size {world}" if others == 1 else
+                f" and keep world size {world} divisible by pp * cp * tp")
             # a default the user never wrote is said to be one, with where to set it
             unset = request.gpus_per_node is None
             node = (f"the default gpus_per_node = {gpus} ({gpus_key} is not set)" if unset
