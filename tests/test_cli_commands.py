@@ -503,3 +503,16 @@ def test_options_that_would_be_ignored_are_refused_by_name(tiny, capsys):
     err = capsys.readouterr().err
     assert "[value] --svg: --svg was given an empty file name" in err
     assert "fix: give the file to write, e.g. --svg plan.svg, or leave --svg out" in err
+
+
+def test_estimate_of_a_distributed_form_file_names_its_keys(tmp_path, capsys):
+    """The planner's model and batch rules named plugins.tp.size and
+    plugins.pp.microbatch_size, keys a [distributed] file does not have."""
+    path = _write(tmp_path, "d.toml", "[distributed]\ntp_size = 8\npp_size = 2\n"
+                  "[distributed.pipeline]\npp_microbatch_size = 3\n[mesh]\nworld_size = 16\n"
+                  "[model.config]\nnum_attention_heads = 4\n[train]\nglobal_batch_size = 8\n")
+    assert main(["estimate", path]) == 2
+    err = capsys.readouterr().err
+    assert "[batch] distributed.pipeline.pp_microbatch_size, train.global_batch_size: " in err
+    assert "[tp-divisible] model.config.num_attention_heads, distributed.tp_size: " in err
+    assert "plugins." not in err

@@ -342,5 +342,21 @@ def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = No
     if not doubtful(problems, "model", "data.seq_len"):
         bad += model_violations(shape, v, setup)
     if bad:
-        raise PlanError(bad)
+        raise PlanError([_in_file_keys(b, graph) for b in bad])
     return evaluate(shape, v, setup, chip, efficiency or FITTED)
+
+
+def _in_file_keys(v: Violation, graph) -> Violation:
+    """``v`` with the graph-form keys the rules above name (``plugins.tp.size``) said as the
+    file wrote them (``distributed.tp_size`` in the ``[distributed]`` form)."""
+    entries = {e.name: e for e in graph.entries}
+
+    def key(k: str) -> str:
+        head, _, rest = k.partition(".")
+        name, _, option = rest.partition(".")
+        if head != "plugins" or name not in entries:
+            return k
+        entry = entries[name]
+        return entry.origin(option) if option else entry.path or k
+
+    return attrs.evolve(v, keys=tuple(dict.fromkeys(key(k) for k in v.keys)))
