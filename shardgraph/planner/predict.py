@@ -342,7 +342,7 @@ def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = No
     if not doubtful(problems, "model", "data.seq_len"):
         bad += model_violations(shape, v, setup)
     if bad:
-        raise PlanError([_in_file_keys(b, graph) for b in bad])
+        raise PlanError([_in_file_keys(b, pipeline.graph) for b in bad])
     return evaluate(shape, v, setup, chip, efficiency or FITTED)
 
 
