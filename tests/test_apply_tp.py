@@ -101,6 +101,42 @@ def custom_step(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> floa
     return loss.item()
 
 
+def tiny_moe_shared_expert() -> nn.Module:
+    """Qwen2-MoE: the MLP feeds its input to a replicated router and experts as well as to the
+    shared expert tp splits (not under sp: the shared expert's output would be
+    sequence-sharded, the experts' whole)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        attn_implementation="sdpa", use_cache=False))
+
+
+def tiny_mla() -> nn.Module:
+    """DeepSeek-V3's attention: q and kv come through replicated low-rank projections and norms
+    before the colwise ones."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, attn_implementation="sdpa", use_cache=False))
+
+
+SHARED_EXPERT_PLAN = {f"model.layers.*.{m}": style for m, style in (
+    ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"),
+    ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
+    ("mlp.shared_expert.gate_proj", "colwise"), ("mlp.shared_expert.up_proj", "colwise"),
+    ("mlp.shared_expert.down_proj", "rowwise"))}
+MLA_PLAN = {"model.layers.*.self_attn.q_b_proj": "colwise",
+            "model.layers.*.self_attn.kv_b_proj": "colwise",
+            "model.layers.*.self_attn.o_proj": "rowwise"}
+
 SCENARIOS = {
     "llama_tp": (tiny_llama, lambda: Graph().add("tp", size=2)),
     "qwen3_tp": (tiny_qwen3, lambda: Graph().add("tp", size=2)),
@@ -114,6 +150,11 @@ SCENARIOS = {
                        .add("mixed_precision", param_dtype="bf16", output_dtype="fp32")),
     "llama_loss_parallel": (tiny_llama, lambda: Graph().add("tp", size=2, loss_parallel=True)),
     "custom_toml": (TinyLM, lambda: load_toml(TOML)),
+    # modules that feed their input to more than tp's colwise linears
+    "moe_shared_expert_tp": (tiny_moe_shared_expert, lambda: Graph().add(
+        "tp", size=2, plan=SHARED_EXPERT_PLAN)),
+    "mla_tp": (tiny_mla, lambda: Graph().add("tp", size=2, plan=MLA_PLAN)),
+    "mla_sp": (tiny_mla, lambda: Graph().add("tp", size=2, plan=MLA_PLAN).add("sp")),
     "llama_tp_fsdp2": (tiny_llama, lambda: Graph().add("tp", size=2).add("fsdp2")),
     "qwen3_sp_fsdp2": (tiny_qwen3, lambda: Graph().add("tp", size=2).add("sp").add("fsdp2")),
     "qwen3_sp_hsdp": (tiny_qwen3, lambda: Graph().add("tp", size=2).add("sp").add("fsdp2")
@@ -166,7 +207,8 @@ def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def world2():
     names = ["llama_tp", "qwen3_tp", "llama_tied_tp", "llama_sp", "qwen3_sp", "llama_tp_ac",
-             "qwen3_sp_ac", "llama_tp_ac_mp", "llama_loss_parallel", "custom_toml"]
+             "qwen3_sp_ac", "llama_tp_ac_mp", "llama_loss_parallel", "custom_toml",
+             "moe_shared_expert_tp", "mla_tp", "mla_sp"]
     return _dist.run(run_scenarios, 2, names)
 
 
@@ -193,6 +235,25 @@ def test_tp_and_sp_world2_match_reference(world2, name):
     assert shard["lm_head.weight"] == 2
     assert shard["model.norm.weight"] == 1
     assert world2[0][name]["steps"] == (["tp", "sp"] if name.endswith("_sp") else ["tp"])
+
+
+@pytest.mark.multiprocess
+def test_a_module_that_uses_its_input_beside_the_split_linears_matches(world2):
+    """The router and experts beside a split shared expert see a plain tensor, the split
+    linears a replicated DTensor whose gradient is reduced once."""
+    _exact(world2, "moe_shared_expert_tp")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["mla_tp", "mla_sp"])
+def test_mlas_replicated_projections_take_a_plain_tensor(world2, name):
+    """MLA's replicated low-rank projections and norms before its split ones (under sp too)
+    take the plain tensor (a DTensor there failed: 'mixed torch.Tensor and DTensor'). The loss
+    is exact; parameters are not compared: under this plan the rope key MLA shares across
+    heads gets each rank's heads' gradient only (kv_a_proj_with_mqa off by 5e-5 after one
+    step), which a plan of this model's own would have to reduce."""
+    for r in world2:
+        assert abs(r[name]["loss"] - r[name]["ref_loss"]) < 1e-5, r[name]
 
 
 @pytest.mark.multiprocess

@@ -121,6 +121,14 @@ class TPLayout:
         """The FQNs of the modules whose weights tp split (every style but ``replicate``)."""
         return [fqn for fqn, style in self.matched.items() if style != "replicate"]
 
+    def colwise(self) -> list[str]:
+        """The FQNs of the linears tp split along their outputs (their input whole)."""
+        return [fqn for fqn, style in self.matched.items() if style in COLWISE_STYLES]
+
+
+#: the tp styles that split a linear along its outputs, its input replicated
+COLWISE_STYLES = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"})
+
 
 @attrs.frozen
 class SequenceSharding:

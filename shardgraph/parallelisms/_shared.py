@@ -20,3 +20,45 @@ class KeepFrozenSequenceParallel(SequenceParallel):
         for n, p in module.named_parameters():
             if n in frozen:
                 p.requires_grad_(False)
+
+
+class SharedInput:
+    """One replicated DTensor of a module's hidden states for the colwise linears inside it
+    that take them unchanged (attention's q, k, v; an MLP's gate and up): their input gradients
+    add up as one partial DTensor, reduced once in backward (Megatron's *f*), not once per
+    linear. The module itself, and whatever else it feeds its input to (a router, a norm, a
+    replicated projection), sees the plain tensor. tp puts it around attention and the MLP,
+    sp around what it gathers along the sequence.
+
+    ``make(x) -> (local, shared)``: what the module sees and what its linears take instead."""
+
+    def __init__(self, make):
+        self.make = make
+        self.local = self.shared = None
+
+    def attach(self, module: nn.Module, linears: list[nn.Module]) -> None:
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        module.register_forward_hook(self._leave)
+        for linear in linears:  # before the linear's own input hook (ColwiseParallel's)
+            linear.register_forward_pre_hook(self._swap, prepend=True)
+
+    def _enter(self, module, args, kwargs):
+        if args:
+            x, put = args[0], lambda v: ((v, *args[1:]), kwargs)
+        elif "hidden_states" in kwargs:
+            x, put = kwargs["hidden_states"], lambda v: (args, {**kwargs, "hidden_states": v})
+        else:
+            return None
+        made = self.make(x)
+        if made is None:
+            return None
+        self.local, self.shared = made
+        return put(self.local)
+
+    def _leave(self, module, args, output):
+        self.local = self.shared = None
+
+    def _swap(self, module, args):
+        if args and self.local is not None and args[0] is self.local:
+            return (self.shared, *args[1:])
+        return None

@@ -106,7 +106,8 @@ def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[
 
 def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]:
     """What keeps the residual stream sequence-sharded around the modules tp sharded."""
-    planned = tp.split()
+    planned, colwise = tp.split(), set(tp.colwise()) - {tp.head}
+    modules = dict(model.named_modules())
     out: dict[str, ParallelStyle] = {}
     for fqn, block in find_blocks(model):
         for name, child in block.named_children():
@@ -116,7 +117,9 @@ def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]
             if is_norm(child):
                 out[path] = styles.KeepFrozenSequenceParallel(use_local_output=True)
             elif any(p.startswith(path + ".") for p in planned):
-                out[path] = styles.GatherSequence(local=False)  # its rowwise reduce-scatters
+                # its rowwise projection reduce-scatters; its colwise ones share the gather
+                out[path] = styles.GatherSequence([modules[p] for p in colwise
+                                                   if p.startswith(path + ".")])
             elif any(True for _ in child.parameters()):
                 # Computed whole on every rank, so its parameter gradients agree.
                 out[path] = styles.Whole()
@@ -181,7 +184,8 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
                 and recompute.region(modules, fqn) is not None
                 for fqn, s in built.items()) if recompute is not None else 0
     gathers = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) for s in built.values())
-    partial = sum(isinstance(s, styles.GatherSequence) and not s.local for s in built.values())
+    partial = sum(isinstance(s, styles.GatherSequence) and bool(s.linears)
+                  for s in built.values())
     scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole)) for s in built.values())
     norms = [p for fqn, s in built.items() if isinstance(s, styles.KeepFrozenSequenceParallel)
              for p in modules[fqn].parameters()] if ctx.layout.dp * ctx.layout.cp > 1 else []

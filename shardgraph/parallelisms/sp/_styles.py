@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .._shared import KeepFrozenSequenceParallel
+from .._shared import KeepFrozenSequenceParallel, SharedInput
 
 __all__ = ["GatherSequence", "KeepFrozenSequenceParallel", "ScatterSequence", "Whole"]
 
@@ -16,30 +16,29 @@ class GatherSequence(ParallelStyle):
     """All-gather a module's hidden-states input from sequence-sharded to replicated.
 
     Unlike ``PrepareModuleInput`` it takes the input positionally or as ``hidden_states=``
-    (transformers calls attention with keywords and the MLP positionally).
+    (transformers calls attention with keywords and the MLP positionally). ``linears``: the
+    colwise linears inside that take the gathered input, given it as the replicated DTensor
+    itself (``SharedInput``), so that their input gradients are reduce-scattered once; the
+    module sees the local tensor.
     """
 
-    def __init__(self, local: bool = True):
+    def __init__(self, linears: list[nn.Module] = ()):
         super().__init__()
-        #: False: hand the module a replicated DTensor, so that the input gradients of the
-        #: colwise linears inside sum as one partial DTensor, reduce-scattered once
-        self.local = local
+        self.linears = list(linears)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(x):
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-            x = x.redistribute(placements=[Replicate()])
-            return x.to_local() if self.local else x
+            full = x.redistribute(placements=[Replicate()])
+            return full.to_local(), full
 
-        def hook(mod, args, kwargs):
-            if args:
-                return (gather(args[0]), *args[1:]), kwargs
-            if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
-            raise TypeError(f"{type(mod).__name__} got no hidden states to gather")
+        def must_gather(mod, args, kwargs):
+            if not args and "hidden_states" not in kwargs:
+                raise TypeError(f"{type(mod).__name__} got no hidden states to gather")
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_pre_hook(must_gather, with_kwargs=True)
+        SharedInput(gather).attach(module, self.linears)
         return module
 
 

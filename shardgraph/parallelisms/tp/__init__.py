@@ -32,7 +32,8 @@ from ...core.costs import Comm, Cost
 from ...core.errors import Violation, choices_hint, did_you_mean
 from ...core.lazy import lazy_module
 from ...core.blocks import output_embeddings
-from ...core.values import Applied, BatchShape, Recomputation, TPLayout, collective
+from ...core.values import (COLWISE_STYLES, Applied, BatchShape, Recomputation, TPLayout,
+                             collective)
 from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -246,12 +247,13 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
             parallelize_module(modules[fqn], tp_mesh, built)
         styles.distribute_adapters(children, adapters, style, tp_mesh)
     _retie(model, tied)
-    for parent in _sharing(resolved, modules):
-        styles.share_input_reduction(modules[parent], layout, tp_mesh)
+    for parent, linears in _sharing(resolved, modules).items():
+        styles.share_input_reduction(modules[parent], [modules[f] for f in linears], layout,
+                                     tp_mesh)
     return Applied(model, values={"tensor_parallel": layout})
 
 
-_COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise")
+_COLWISE = COLWISE_STYLES
 
 
 def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
@@ -270,12 +272,17 @@ def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
     return again - set(last.values())
 
 
-def _sharing(resolved: _Resolved, modules: dict[str, nn.Module]) -> list[str]:
+def _sharing(resolved: _Resolved, modules: dict[str, nn.Module]) -> dict[str, list[str]]:
     """The modules (attention, MLP) around colwise linears other than the head, which tp does
-    not split itself: each sums its linears' input gradients once."""
-    parents = {fqn.rpartition(".")[0] for fqn, style in resolved.matched.items()
-               if style in _COLWISE and fqn != resolved.head}
-    return sorted(p for p in parents if p and p in modules and p not in resolved.matched)
+    not split itself -> those linears: each module sums the input gradients of the ones it
+    feeds its own input once."""
+    out: dict[str, list[str]] = {}
+    for fqn, style in resolved.matched.items():
+        parent = fqn.rpartition(".")[0]
+        if style in _COLWISE and fqn != resolved.head and parent in modules \
+                and parent not in resolved.matched:
+            out.setdefault(parent, []).append(fqn)
+    return out
 
 
 def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any],
@@ -335,7 +342,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
             + collective("all_gather", "tp", n_gather * mb, gathered,
                          "gathered colwise outputs: the logits (forward)")
             + (collective("all_gather", "tp", back * mb, rowwise * back // n_row,
-                          "rowwise layers' output gradients (backward)") if sp else [])
+                          "rowwise layers' output gradients (backward)") if sp and n_row else [])
             + collective("all_reduce", "tp", len(shared) * mb, sum(shared.values()),
                          "input gradients of the modules around colwise linears (backward)")
             + collective("all_reduce", "tp", n_col * mb, colwise,

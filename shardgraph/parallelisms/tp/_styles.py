@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ...core.blocks import input_embeddings
 from ...core.values import TPLayout
-from .._shared import KeepFrozenSequenceParallel
+from .._shared import KeepFrozenSequenceParallel, SharedInput
 
 LINEAR = (nn.Linear,)
 EMBEDDING = (nn.Embedding,)
@@ -270,23 +270,15 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
         return module
 
 
-def share_input_reduction(module: nn.Module, layout: TPLayout, device_mesh: DeviceMesh) -> None:
-    """Hand ``module`` (attention, an MLP: the parent of colwise linears) its replicated hidden
-    states as a DTensor, so that its linears' input gradients add up as one partial gradient,
-    all-reduced once in backward (Megatron's ``f``), not once per linear. Under sp its input is
-    sequence-sharded and sp's gather does the same; an input that is not the hidden states
-    (positionally first or ``hidden_states=``) is left alone."""
+def share_input_reduction(module: nn.Module, linears: list[nn.Module], layout: TPLayout,
+                          device_mesh: DeviceMesh) -> None:
+    """``module`` (attention, an MLP) hands ``linears`` (its colwise linears) its replicated
+    hidden states as one DTensor (``SharedInput``): one input-gradient reduction, not one per
+    linear. Under sp its input is sequence-sharded and sp's gather shares it instead."""
 
-    def replicate(x):
+    def make(x):
         if layout.sequence_sharded or not torch.is_tensor(x) or isinstance(x, DTensor):
-            return x
-        return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            return None
+        return x, DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
 
-    def hook(mod, args, kwargs):
-        if args:
-            return (replicate(args[0]), *args[1:]), kwargs
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
-        return args, kwargs
-
-    module.register_forward_pre_hook(hook, with_kwargs=True)
+    SharedInput(make).attach(module, linears)
