@@ -279,8 +279,10 @@ def _apply(model, options: PPOptions, ctx, inputs):
 
 def _collectives(model, options: PPOptions, ctx, inputs, batch: BatchShape) -> list[dict]:
     micro = batch.local_batch // options.microbatch_size
+    # under sp a stage sends the residual stream as it holds it: sharded along the sequence
+    seq = batch.seq_len // (ctx.layout.tp if inputs.get("sequence_parallel") else 1)
     return collective("send/recv", "pp", 2 * micro, 2 * micro * options.microbatch_size
-                      * batch.seq_len * batch.hidden * batch.act_bytes,
+                      * seq * batch.hidden * batch.act_bytes,
                       "activations forward and their gradients backward, per stage boundary")
 
 
@@ -327,6 +329,7 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     collectives=_collectives,
+    reads={"sequence_parallel"},  # only to count the bytes a stage sends
     cost=_cost,
     provides_with=_provides_with,
     keeps_fqns=False,
