@@ -167,6 +167,17 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_before_launch(tmp_path, caps
     assert "fix: use a causal-LM class such as 'LlamaForCausalLM'" in err
 
 
+def test_what_automodelforcausallm_builds_is_trained_and_a_base_model_is_sent_to_its_own():
+    """GPT-2's LM head model is a causal LM by another name; LlamaModel's fix names Llama's
+    own causal-LM class (not Llama4's, which sorts first)."""
+    from shardgraph.train.model import _architecture
+
+    assert _architecture("GPT2LMHeadModel").__name__ == "GPT2LMHeadModel"
+    with pytest.raises(PlanError) as err:
+        _architecture("LlamaModel")
+    assert err.value.violations[0].hint == "use 'LlamaForCausalLM'"
+
+
 @pytest.mark.parametrize("config, said", [
     ("{bad", "is not a valid JSON file"),
     ('{"model_type": "nope_xx"}', "model type `nope_xx`"),

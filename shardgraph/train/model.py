@@ -39,16 +39,19 @@ def _architecture(name: str):
             "model", ("model.architecture",),
             f"{name!r} is not an HF model class{did_you_mean(name, known)}",
             hint="use a transformers causal-LM class name such as 'LlamaForCausalLM'")])
-    if not name.endswith(CAUSAL_LM):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    # what AutoModelForCausalLM builds: *ForCausalLM, GPT2LMHeadModel, Gemma3's
+    # ForConditionalGeneration...
+    if not name.endswith(CAUSAL_LM) and name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         # a base model (BertModel) returns hidden states, not logits: the loss needs a head
-        family = name.removesuffix("Model").removesuffix("LMHead")
-        close = [n for n in known if n.startswith(family)] if family else []
+        own = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cls.config_class, "model_type", ""))
         raise PlanError([Violation(
             "model", ("model.architecture",),
-            f"{name!r} is not a causal language model: training needs a *{CAUSAL_LM} class, "
-            "whose forward returns next-token logits",
-            hint=(f"use {close[0]!r}" if close else "use a causal-LM class such as "
-                  "'LlamaForCausalLM', 'Qwen2ForCausalLM' or 'MistralForCausalLM'"))])
+            f"{name!r} is not a causal language model: training needs a *{CAUSAL_LM} class (or "
+            "another that AutoModelForCausalLM builds), whose forward returns next-token logits",
+            hint=f"use {own!r}" if own and own.endswith(CAUSAL_LM) else "use a causal-LM class "
+            "such as 'LlamaForCausalLM', 'Qwen2ForCausalLM' or 'MistralForCausalLM'")])
     return cls
 
 
