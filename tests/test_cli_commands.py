@@ -518,3 +518,15 @@ def test_estimate_of_a_distributed_form_file_names_its_keys(tmp_path, capsys):
     assert "[batch] distributed.pipeline.pp_microbatch_size, train.global_batch_size: " in err
     assert "[tp-divisible] model.config.num_attention_heads, distributed.tp_size: " in err
     assert "plugins." not in err
+
+
+def test_a_model_the_planner_has_no_shape_for_comes_with_the_plans_problems(tmp_path, capsys):
+    """A Phi model and tp 3 on 8 ranks: the planner's missing shape came a round after the
+    plan's problems in estimate, and after the options' in plan --auto."""
+    path = _write(tmp_path, "p.toml", '[model]\narchitecture = "PhiForCausalLM"\n'
+                  "[plugins.fsdp2]\n[plugins.tp]\nsize = 3\n")
+    rules, keys = _reported(["estimate", path, "--world-size", "8"], capsys)
+    assert {"within-node", "world-size", "model"} <= rules, rules
+    assert "model.architecture" in keys
+    rules, keys = _reported(["plan", path, "--auto", "--world-size", "8", "--top", "0"], capsys)
+    assert {"model", "value"} <= rules and {"model.architecture", "--top"} <= keys, keys

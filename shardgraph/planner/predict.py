@@ -329,16 +329,17 @@ def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = No
     plan = compile_plan(pipeline, world_size, gpn, bad, world_key=world_key,
                         gpus_per_node_key=gpus_per_node_key, gpus_per_node=gpus_per_node,
                         default_gpn=chip.gpus_per_node, registry=registry)
-    if plan is None:
-        raise PlanError(bad)
+    try:  # the model's shape whatever the plan: its problems come with the plan's
+        shape = model_shape(pipeline.model)
+    except PlanError as exc:
+        bad += exc.violations
+        shape = None
+    if plan is None or shape is None:
+        raise PlanError([_in_file_keys(b, pipeline.graph) for b in bad])
     v = plan_view(plan)
     setup = setup_of(pipeline)
     if not doubtful(problems, "train.global_batch_size", "train.micro_batch_size"):
         bad += batch_violations(v, setup, world_key)
-    try:
-        shape = model_shape(pipeline.model)
-    except PlanError as exc:
-        raise PlanError([*bad, *exc.violations]) from None
     if not doubtful(problems, "model", "data.seq_len"):
         bad += model_violations(shape, v, setup)
     if bad:

@@ -325,9 +325,12 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     # user's, said before searching (not a plan silently dropped for it)
     bad += option_violations(pipeline.graph, world_size=world_size or 1,
                              gpus_per_node=gpn or chip.gpus_per_node, registry=registry)
+    try:  # the model's shape whatever the options: its problems come with theirs
+        shape = model_shape(pipeline.model)
+    except PlanError as exc:
+        bad += exc.violations
     if bad:
         raise PlanError(bad)
-    shape = model_shape(pipeline.model)
     setup = setup_of(pipeline)
     base = _base(pipeline, registry)
     view = _Views(registry, names, base, world_size, gpn)
