@@ -41,8 +41,9 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 INDUCTOR = "inductor"
 #: torch.compile's backends, as ``torch._dynamo.list_backends(exclude_tags=())`` lists them:
 #: copied, because importing ``torch._dynamo`` takes seconds and ``shardgraph plan`` imports no
-#: torch (tests/test_compile.py keeps this equal to the installed torch's list; the step's model
-#: check asks torch itself, for a torch whose list differs)
+#: torch (tests/test_compile.py keeps this equal to the installed torch's list). A backend
+#: registered in the process (``torch._dynamo.register_backend``) is not known here: install it
+#: through the entry-point group below to name it
 BACKENDS = (
     "aot_eager", "aot_eager_decomp_partition", "aot_eager_decomp_partition_crossref",
     "aot_eager_decomp_partition_with_mode", "aot_eager_default_partitioner", "aot_ts",

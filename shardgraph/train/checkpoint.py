@@ -184,8 +184,8 @@ def _instead(path: Path, command: str = "train", pipeline_file: str | None = Non
     run = (f"`shardgraph train {shlex.quote(pipeline_file)} --resume {shlex.quote(str(prev))}`"
            if pipeline_file and not pipeline_file.startswith("<") else
            f"run `shardgraph train` on your pipeline file with `--resume {shlex.quote(str(prev))}`")
-    return (f"resume from the previous complete checkpoint for this one run: {run} (the file "
-            f"keeps its resume setting; the steps after {prev.name} are saved again over "
+    return (f"resume from the previous complete checkpoint for this one run: {run}, with the "
+            f"run's other options such as --nproc (the file keeps its resume setting; the steps after {prev.name} are saved again over "
             f"{path.name}), or {fresh}")
 
 
