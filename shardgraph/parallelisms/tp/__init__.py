@@ -291,8 +291,9 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     in tests/test_collectives_counted.py): a rowwise layer's partial output is summed (reduce-scattered
     along the sequence under sp, whose backward gathers the gradient back); every colwise
     linear's input gradient is summed in backward, once for the module around them (attention,
-    MLP: ``share_input_reduction``), under sp the head's reduce-scattered and the others' by
-    sp's gather (sp's rows); a
+    MLP: ``share_input_reduction``; counted so, as for Llama-like blocks, where each takes the
+    module's own input: a linear fed something else, such as MLA's after a norm, sums its own),
+    under sp the head's reduce-scattered and the others' by sp's gather (sp's rows); a
     gathered colwise output (the logits unless ``loss_parallel``) is all-gathered; a replicated
     parameter's partial gradient (a per-head q/k norm's) is all-reduced. A checkpointed block
     runs its forward's again when it recomputes, up to its last rowwise layer (torch's
