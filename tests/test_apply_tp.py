@@ -103,8 +103,8 @@ def custom_step(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> floa
 
 def tiny_moe_shared_expert() -> nn.Module:
     """Qwen2-MoE: the MLP feeds its input to a replicated router and experts as well as to the
-    shared expert tp splits (not under sp: the shared expert's output would be
-    sequence-sharded, the experts' whole)."""
+    shared expert tp splits (under sp the MLP runs whole: the shared expert's output meets the
+    experts' inside it)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
@@ -153,6 +153,8 @@ SCENARIOS = {
     # modules that feed their input to more than tp's colwise linears
     "moe_shared_expert_tp": (tiny_moe_shared_expert, lambda: Graph().add(
         "tp", size=2, plan=SHARED_EXPERT_PLAN)),
+    "moe_shared_expert_sp": (tiny_moe_shared_expert, lambda: Graph().add(
+        "tp", size=2, plan=SHARED_EXPERT_PLAN).add("sp")),
     "mla_tp": (tiny_mla, lambda: Graph().add("tp", size=2, plan=MLA_PLAN)),
     "mla_sp": (tiny_mla, lambda: Graph().add("tp", size=2, plan=MLA_PLAN).add("sp")),
     "llama_tp_fsdp2": (tiny_llama, lambda: Graph().add("tp", size=2).add("fsdp2")),
@@ -208,7 +210,7 @@ def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
 def world2():
     names = ["llama_tp", "qwen3_tp", "llama_tied_tp", "llama_sp", "qwen3_sp", "llama_tp_ac",
              "qwen3_sp_ac", "llama_tp_ac_mp", "llama_loss_parallel", "custom_toml",
-             "moe_shared_expert_tp", "mla_tp", "mla_sp"]
+             "moe_shared_expert_tp", "moe_shared_expert_sp", "mla_tp", "mla_sp"]
     return _dist.run(run_scenarios, 2, names)
 
 
@@ -238,10 +240,15 @@ def test_tp_and_sp_world2_match_reference(world2, name):
 
 
 @pytest.mark.multiprocess
-def test_a_module_that_uses_its_input_beside_the_split_linears_matches(world2):
+@pytest.mark.parametrize("name", ["moe_shared_expert_tp", "moe_shared_expert_sp"])
+def test_a_module_that_uses_its_input_beside_the_split_linears_matches(world2, name):
     """The router and experts beside a split shared expert see a plain tensor, the split
-    linears a replicated DTensor whose gradient is reduced once."""
-    _exact(world2, "moe_shared_expert_tp")
+    linears a replicated DTensor whose gradient is reduced once. Under sp the shared expert's
+    output is made whole again before it meets the experts' (it was reduce-scattered along
+    the hidden dim of the MoE block's (tokens, hidden) view: 'size of tensor a (64) must match
+    the size of tensor b (32)')."""
+    _exact(world2, name)
+    assert world2[0][name]["shard"]["model.layers.0.mlp.shared_expert.down_proj.weight"] == 2
 
 
 @pytest.mark.multiprocess

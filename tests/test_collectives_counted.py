@@ -28,7 +28,13 @@ CASES = {  # name -> (model, plan), world 2 and world 4
                                               "[plugins.activation_checkpointing]\n"
                                               "mode = 'selective'\n"),
         "llama_cp_ac": ("llama", "[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n"
-                                 "[plugins.activation_checkpointing]\n")},
+                                 "[plugins.activation_checkpointing]\n"),
+        # the MoE block runs whole around its split shared expert
+        "qwen2_moe_shared_expert_sp": ("qwen2_moe", "[plugins.tp]\nsize = 2\n[plugins.tp.plan]\n"
+                                       + "".join(f'"model.layers.*.mlp.shared_expert.{m}" = '
+                                                 f'"{"rowwise" if m == "down_proj" else "colwise"}"\n'
+                                                 for m in ("gate_proj", "up_proj", "down_proj"))
+                                       + "[plugins.sp]\n")},
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }
@@ -70,12 +76,14 @@ def run_cases(rank: int, world: int) -> dict:
     from shardgraph.train.config import loads_pipeline
     from shardgraph.train.dryrun import collectives
     from tests.models import batch, tiny_llama, tiny_qwen3
+    from tests.test_apply_tp import tiny_moe_shared_expert
 
     out = {}
     for name, (model, plan_text) in CASES[world].items():
         plan = loads_pipeline(plan_text).graph.compile(world_size=world)
         ctx = plan.build_mesh("cpu")
-        parallel = plan.apply({"llama": tiny_llama, "qwen3": tiny_qwen3}[model](), ctx)
+        models = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2_moe": tiny_moe_shared_expert}
+        parallel = plan.apply(models[model](), ctx)
         lay = ctx.layout
         pipeline = loads_pipeline(f"[data]\nseq_len = {SEQ}\n[train]\nglobal_batch_size = "
                                   f"{BATCH * lay.dp}\nmicro_batch_size = {MICRO}\n" + plan_text)

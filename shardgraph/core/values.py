@@ -125,9 +125,17 @@ class TPLayout:
         """The FQNs of the linears tp split along their outputs (their input whole)."""
         return [fqn for fqn, style in self.matched.items() if style in COLWISE_STYLES]
 
+    def rowwise(self) -> list[str]:
+        """The FQNs of the modules whose partial outputs tp sums into the residual stream's
+        placements (``residual_placements()``): rowwise linears, a vocabulary-parallel
+        embedding."""
+        return [fqn for fqn, style in self.matched.items() if style in ROWWISE_STYLES]
+
 
 #: the tp styles that split a linear along its outputs, its input replicated
 COLWISE_STYLES = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"})
+#: the tp styles whose partial outputs are summed into the residual stream's placements
+ROWWISE_STYLES = frozenset({"rowwise", "rowwise_rep", "embedding_rowwise"})
 
 
 @attrs.frozen

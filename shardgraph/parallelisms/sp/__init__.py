@@ -4,7 +4,10 @@ Between transformer blocks the residual stream is sharded along the sequence (di
 ``tp``: the norms run ``SequenceParallel`` (replicated weights, gradients summed by DTensor), each
 attention and MLP gathers its input (all-gather) and its last rowwise projection reduce-scatters
 its output, the embedding reduce-scatters (or slices) its output and the LM head gathers its
-input. Activations outside attention and MLP take ``1/tp`` of the memory.
+input. Activations outside attention and MLP take ``1/tp`` of the memory. A block part whose
+split layers' outputs meet other outputs inside it (Qwen2-MoE's MoE block, its shared expert
+split beside whole routed experts) runs whole, as under tp alone: gathered before, scattered
+after, each rowwise layer inside gathering its output back.
 
 The step runs right after ``tp``: through tp's exported layout (``core.values.TPLayout``) it
 switches the residual stream that tp's rowwise projections, embedding and LM head read at every
@@ -116,6 +119,8 @@ def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]
                 continue
             if is_norm(child):
                 out[path] = styles.KeepFrozenSequenceParallel(use_local_output=True)
+            elif _deep_rowwise(tp, path):
+                out.update(_whole_part(path, tp, modules))
             elif any(p.startswith(path + ".") for p in planned):
                 # its rowwise projection reduce-scatters; its colwise ones share the gather
                 out[path] = styles.GatherSequence([modules[p] for p in colwise
@@ -134,6 +139,32 @@ def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]
         out[names[embed]] = styles.ScatterSequence()
     if tp.head is not None and tp.head not in planned:
         out[tp.head] = styles.GatherSequence()
+    return out
+
+
+def _deep_rowwise(tp: TPLayout, path: str) -> list[str]:
+    """The rowwise layers below a child of ``path`` (a shared expert's inside the MoE block):
+    their output meets others inside the part, not the residual stream."""
+    return [p for p in tp.rowwise() if p.startswith(path + ".") and "." in p[len(path) + 1:]]
+
+
+def _whole_part(path: str, tp: TPLayout, modules: dict[str, nn.Module]
+                ) -> dict[str, ParallelStyle]:
+    """A block part whose split layers' outputs meet other outputs inside it (the MoE block:
+    the shared expert's beside the routed experts') runs whole, as under tp alone: the sequence
+    is gathered before it and scattered after it, each rowwise layer inside gathers its output
+    back, and the colwise linears of each module inside share one input-gradient reduction."""
+    by_parent: dict[str, list[nn.Module]] = {}
+    for p in tp.colwise():
+        if p != tp.head and p.startswith(path + "."):
+            by_parent.setdefault(p.rpartition(".")[0], []).append(modules[p])
+    out: dict[str, ParallelStyle] = {
+        path: styles.Whole(by_parent.pop(path, [])),
+        **{p: styles.GatherOutput(tp.residual_placements())
+           for p in tp.rowwise() if p.startswith(path + ".")},
+    }
+    out.update({parent: styles.ShareWholeInput(linears) for parent, linears in by_parent.items()
+                if parent not in tp.matched})
     return out
 
 
@@ -173,31 +204,49 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     """The sequence gathered into what tp split (forward; the input gradients of the colwise
     linears inside sum to one partial gradient, reduce-scattered back in backward) or what runs
     whole (its gradient comes back replicated: a slice needs no exchange), and gathered back
-    behind what a replicated layer's output was sliced from (backward); a sequence-sharded
-    norm's partial
+    behind what a replicated layer's output was sliced from (backward); inside a part that runs
+    whole around split layers (the MoE block with a split shared expert) each rowwise layer's
+    output gathered back (forward) and each module's colwise linears' whole input gradient
+    summed (backward); a sequence-sharded norm's partial
     weight gradient is summed by the strategy's reduction in each backward (without a
     strategy, dp * cp = 1, at the optimizer step: not listed). tp's rows are tp's."""
     built = _sequence_styles(model, inputs["tensor_parallel"])
     modules = dict(model.named_modules())
     recompute = inputs.get("activation_checkpointing")
-    again = sum(isinstance(s, (styles.GatherSequence, styles.Whole))
-                and recompute.region(modules, fqn) is not None
-                for fqn, s in built.items()) if recompute is not None else 0
+    gathering = (styles.GatherSequence, styles.Whole, styles.GatherOutput)
+    again = [fqn for fqn, s in built.items() if isinstance(s, gathering)
+             and recompute.region(modules, fqn) is not None] if recompute is not None else []
     gathers = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) for s in built.values())
-    partial = sum(isinstance(s, styles.GatherSequence) and bool(s.linears)
+    partial = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) and bool(s.linears)
                   for s in built.values())
     scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole)) for s in built.values())
     norms = [p for fqn, s in built.items() if isinstance(s, styles.KeepFrozenSequenceParallel)
              for p in modules[fqn].parameters()] if ctx.layout.dp * ctx.layout.cp > 1 else []
     size = batch.tokens * batch.hidden * batch.act_bytes
     mb = batch.micro_batches
-    return (collective("all_gather", "tp", (gathers + again) * mb, (gathers + again) * size,
-                       "sequence-sharded activations into attention, MLP (forward"
+
+    def out_size(fqn: str) -> int:
+        return batch.tokens * getattr(modules[fqn], "out_features", batch.hidden) \
+            * batch.act_bytes
+
+    outputs = [fqn for fqn, s in built.items() if isinstance(s, styles.GatherOutput)]
+    gathered = len(again) + gathers + len(outputs)
+    gathered_bytes = sum(out_size(f) if isinstance(built[f], styles.GatherOutput) else size
+                         for f in again) + gathers * size + sum(map(out_size, outputs))
+    shared = [s.linears[0] for s in built.values() if isinstance(s, styles.ShareWholeInput)]
+    return (collective("all_gather", "tp", gathered * mb, gathered_bytes,
+                       "sequence-sharded activations into attention, MLP"
+                       + (", split layers' outputs inside a part run whole" if outputs else "")
+                       + " (forward"
                        + (", again where a checkpointed block recomputes)" if again else ")"))
             + collective("reduce_scatter", "tp", partial * mb, partial * size,
                          "their gradients, summed over the linears inside (backward)")
             + collective("all_gather", "tp", scatters * mb, scatters * size,
                          "gradients of sequence slices of replicated outputs (backward)")
+            + collective("all_reduce", "tp", len(shared) * mb,
+                         sum(batch.tokens * m.in_features * batch.act_bytes for m in shared),
+                         "whole input gradients of split linears inside a part run whole "
+                         "(backward)")
             + collective("all_reduce", "tp", len(norms) * mb,
                          mb * sum(p.numel() * p.element_size() for p in norms),
                          "partial gradients of sequence-sharded norms (backward)"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -9,7 +10,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._shared import KeepFrozenSequenceParallel, SharedInput
 
-__all__ = ["GatherSequence", "KeepFrozenSequenceParallel", "ScatterSequence", "Whole"]
+__all__ = ["GatherOutput", "GatherSequence", "KeepFrozenSequenceParallel", "ScatterSequence",
+           "ShareWholeInput", "Whole"]
 
 
 class GatherSequence(ParallelStyle):
@@ -60,8 +62,60 @@ class ScatterSequence(ParallelStyle):
 
 class Whole(ParallelStyle):
     """sp: a module computed whole on every rank (its parameter gradients agree): the sequence
-    is gathered before it and scattered after it."""
+    is gathered before it and scattered after it. ``linears``: as ``GatherSequence``'s."""
+
+    def __init__(self, linears: list[nn.Module] = ()):
+        super().__init__()
+        self.linears = list(linears)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        GatherSequence()._apply(module, device_mesh)
+        GatherSequence(self.linears)._apply(module, device_mesh)
         return ScatterSequence()._apply(module, device_mesh)
+
+
+class GatherOutput(ParallelStyle):
+    """Make whole again the output tp's rowwise layer reduced into ``placements`` (the residual
+    stream's, sharded) where it does not go to the residual stream: a shared expert's output,
+    which meets the routed experts' whole output inside the MoE block. Reduce-scatter then
+    all-gather is an all-reduce; backward, the whole gradient (the same on every rank) is
+    sliced, and tp's reduction gathers it."""
+
+    def __init__(self, placements):
+        super().__init__()
+        self.placements = tuple(placements)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(mod, args, out):
+            if not isinstance(out, DTensor):
+                x = args[0] if args else None
+                # its global shape: the sharded dim need not divide evenly (a 2-D input's
+                # hidden size); a linear's input is a DTensor here, whole in every dim but the last
+                shape = stride = None
+                if isinstance(mod, nn.Linear) and isinstance(x, DTensor):
+                    shape = torch.Size((*x.shape[:-1], mod.out_features))
+                    stride = torch.empty(shape, device="meta").stride()
+                out = DTensor.from_local(out, device_mesh, self.placements, run_check=False,
+                                         shape=shape, stride=stride)
+            return out.redistribute(placements=[Replicate()]).to_local()
+
+        module.register_forward_hook(hook)
+        return module
+
+
+class ShareWholeInput(ParallelStyle):
+    """A module inside a part sp computes whole (a shared expert in the MoE block) hands its
+    colwise ``linears`` its whole input as one replicated DTensor (``SharedInput``): their input
+    gradients are summed once, as tp does without sp."""
+
+    def __init__(self, linears: list[nn.Module]):
+        super().__init__()
+        self.linears = list(linears)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def share(x):
+            if not torch.is_tensor(x) or isinstance(x, DTensor):
+                return None
+            return x, DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+
+        SharedInput(share).attach(module, self.linears)
+        return module
