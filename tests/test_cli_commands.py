@@ -153,9 +153,13 @@ def test_plan_lists_each_step_once_and_says_what_a_step_uses(capsys):
     # "2. tp + sp (sequence_parallel)", then "3. sp", as if sp ran twice)
     assert [step.split()[0] for step in steps] == ["tp", "sp", "activation_checkpointing",
                                                    "fsdp2"]
-    # (tp reads checkpointing and sp only to count the collectives they change)
-    assert steps[0] == ("tp  (uses activation_checkpointing from activation_checkpointing; "
-                        "sequence_parallel from sp)") and "+" not in "".join(steps)
+    # (tp reads checkpointing and sp only to count the collectives they change) what it reads,
+    # not the capability's name, which is often the plugin's ("uses activation_checkpointing
+    # from activation_checkpointing")
+    assert steps[0] == ("tp  (uses the recomputation regions of activation_checkpointing; "
+                        "the sequence sharding of sp)") and "+" not in "".join(steps)
+    assert steps[1] == ("sp  (uses the recomputation regions of activation_checkpointing; "
+                        "the tensor-parallel layout of tp)")
 
 
 def test_plugins_shows_every_option_doc_whole(capsys):

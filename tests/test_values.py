@@ -137,6 +137,27 @@ def test_consuming_or_reading_a_flag_is_refused_at_registration():
     registry.register(attrs.evolve(reader, reads={"my_value"}))  # a declared contract: accepted
 
 
+def test_plan_says_in_words_what_a_step_uses_of_another_plugin():
+    """'tp (uses activation_checkpointing from activation_checkpointing)' read as if tp ran
+    checkpointing: each contract has a noun; a third party's own is called by its name."""
+    from shardgraph.core.values import CONTRACT_NOUNS, CONTRACTS
+    from shardgraph.graphs.explain import explain
+
+    assert set(CONTRACT_NOUNS) == set(CONTRACTS)
+    own = Plugin(name="own", kind=Kind.POLICY, provides={"my_value"}, contracts={"my_value": int},
+                 apply=lambda model, options, ctx, inputs: model)
+    reader = Plugin(name="reader", kind=Kind.POLICY, reads={"my_value"},
+                    apply=lambda model, options, ctx, inputs: model)
+    registry = builtin_registry()
+    registry.register(own)
+    registry.register(reader)
+    plan = Graph().add("fsdp2").add("mixed_precision").add("own").add("reader").compile(
+        world_size=2, registry=registry)
+    steps = explain(plan, with_groups=False).splitlines()
+    assert "  3. fsdp2  (uses the precision policy of mixed_precision)" in steps
+    assert any(line.endswith(". reader  (uses the my_value value of own)") for line in steps)
+
+
 def test_a_value_of_another_type_than_its_contract_is_refused():
     from shardgraph.core.values import PrecisionPolicy
 

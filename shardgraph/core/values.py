@@ -316,6 +316,21 @@ CONTRACTS: dict[str, type] = {
     "compiled_loss": LossCompiler,
 }
 
+#: capability -> what its value is, in a few words: ``plan`` says what a step uses of another
+#: plugin ("the recomputation regions of activation_checkpointing"), not the capability's
+#: name, which is often the plugin's own. A contract not named here is called by its name.
+CONTRACT_NOUNS: dict[str, str] = {
+    "precision_policy": "the precision policy",
+    "fully_shard": "the unit sharding",
+    "tensor_parallel": "the tensor-parallel layout",
+    "sequence_parallel": "the sequence sharding",
+    "pipeline_parallel": "the pipeline stages",
+    "activation_checkpointing": "the recomputation regions",
+    "float8": "the float8 linears",
+    "low_rank_adapters": "the low-rank adapters",
+    "compiled_loss": "the loss compilation",
+}
+
 
 @attrs.frozen
 class BatchShape:

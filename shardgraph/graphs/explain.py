@@ -12,6 +12,7 @@ from html import escape  # xml.sax.saxutils would import urllib (0.1 s)
 
 from ..core.axes import DENSE_AXES, Axis
 from ..core.layout import MeshLayout
+from ..core.values import CONTRACT_NOUNS
 from .plan import Plan
 
 #: The groups shown, innermost first; ``dp_shard_cp`` is what fsdp2 shards over under cp.
@@ -54,7 +55,8 @@ def explain(plan: Plan, with_groups: bool = True) -> str:
     lines = [f"world size {lay.world_size} ({lay.gpus_per_node} GPUs per node)", "", "steps:"]
     for i, step in enumerate(plan.steps, 1):
         # what a step reads from another plugin, said so that it does not read as a second step
-        extra = "; ".join(f"{cap} from {name}" for cap, name, _ in step.inputs)
+        extra = "; ".join(f"{CONTRACT_NOUNS.get(cap, f'the {cap} value')} of {name}"
+                          for cap, name, _ in step.inputs)
         extra = f"  (uses {extra})" if extra else ""
         lines.append(f"  {i}. {step.plugin}{extra}")
     if not plan.steps:
