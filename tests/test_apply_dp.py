@@ -99,9 +99,44 @@ def _rejected_untouched(world_size: int) -> dict:
     }
 
 
+def _bert_through_train_loading(world_size: int) -> dict:
+    """A config.json of model_type "bert" builds BertLMHeadModel through train's model loading
+    (on meta, its weights drawn when the plan materialises it). HF lists its embeddings in
+    ``_no_split_modules``: fsdp2 made them a unit of their own, which untied the LM head's
+    weight from the word embedding ('plugin fsdp2 declares keeps_fqns but renamed
+    parameters'). Dropout off: one process and two draw different masks."""
+    import tempfile
+
+    from transformers import BertConfig
+
+    from shardgraph.train.config import ModelConfig
+    from shardgraph.train.model import build_model, meta_model, weights
+
+    with tempfile.TemporaryDirectory() as path:
+        BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, max_position_embeddings=64, is_decoder=True,
+                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).save_pretrained(path)
+        spec = ModelConfig(path=path)
+        tokens = batch(global_batch=4)
+        ref_loss, ref_params = reference(build_model(spec, seed=5), tokens)
+        plan = Graph().add("fsdp2").compile(world_size=world_size)
+        ctx = plan.build_mesh("cpu")
+        model = meta_model(spec)
+        model = plan.apply(model, ctx, init=weights(spec, 5, model)).module
+    dp = ctx.mesh("dp")
+    loss = torch.tensor([sgd_step(model, tokens.chunk(dp.size())[dp.get_local_rank()])])
+    dist.all_reduce(loss, group=dp.get_group())
+    units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return {"ref_loss": ref_loss, "loss": loss.item() / dp.size(), "units": units,
+            "param_diff": max_param_diff(model, ref_params),
+            "tied": model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight}
+
+
 def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
     results = {name: _scenario(name, world_size) for name in names}
     results["rejected"] = _rejected_untouched(world_size)
+    if world_size == 2:
+        results["bert"] = _bert_through_train_loading(world_size)
     return results
 
 
@@ -128,6 +163,14 @@ def _exact(results, name, shard_degree):
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2_no_reshard", "fsdp2_offload"])
 def test_fsdp2_world2_matches_reference(world2, name):
     _exact(world2, name, shard_degree=2)
+
+
+def test_a_bert_directory_trains_under_fsdp2_as_in_one_process(world2):
+    for r in world2:
+        got = r["bert"]
+        assert abs(got["loss"] - got["ref_loss"]) < 1e-5, got
+        assert got["param_diff"] < 1e-6 and got["tied"], got
+        assert got["units"] == ["", "bert.encoder.layer.0", "bert.encoder.layer.1"], got
 
 
 def test_fsdp2_world4_matches_reference(world4):
@@ -173,3 +216,38 @@ def test_failed_model_check_leaves_the_model_untouched(world2):
         got = r["rejected"]
         assert got["rule"] == "model" and "plugins.activation_checkpointing.blocks" in got["keys"]
         assert got["same_state"] and not got["wrapped"]
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertLMHeadModel
+
+    return BertLMHeadModel(BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, is_decoder=True,
+                                      max_position_embeddings=64))
+
+
+def test_blocks_are_the_layer_list_not_every_class_hf_keeps_whole():
+    """BERT's ``_no_split_modules`` lists its embeddings beside its layers; Llama's lists its
+    layers only."""
+    from shardgraph.core.blocks import find_blocks
+
+    assert [n for n, _ in find_blocks(_tiny_bert())] == ["bert.encoder.layer.0",
+                                                         "bert.encoder.layer.1"]
+    assert [n for n, _ in find_blocks(tiny_llama())] == ["model.layers.0", "model.layers.1"]
+
+
+def test_a_block_tied_to_a_module_outside_it_is_refused_before_the_model_changes():
+    from shardgraph import MeshContext
+
+    plan = Graph().add("fsdp2", blocks="bert.embeddings").compile(world_size=2)
+    model = _tiny_bert()
+    before = list(model.named_parameters())
+    with pytest.raises(PlanError, match="block bert.embeddings shares a parameter with "
+                                        "cls.predictions.decoder.weight, outside it") as err:
+        plan.apply(model, MeshContext(plan.layout, "cpu"))  # the checks need no process group
+    assert err.value.rule == "fsdp2-tied" and err.value.key == "plugins.fsdp2.blocks"
+    assert "tie_word_embeddings = false" in str(err.value)
+    after = list(model.named_parameters())
+    assert [n for n, _ in after] == [n for n, _ in before]
+    assert all(p is q for (_, p), (_, q) in zip(after, before))
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())

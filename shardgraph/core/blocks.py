@@ -15,18 +15,26 @@ def find_blocks(model: nn.Module, pattern: str | None = None) -> list[tuple[str,
     """``(fqn, module)`` of each block, in model order.
 
     With ``pattern`` (an FQN glob such as ``"model.layers.*"``) the matching modules; else the
-    modules whose class HF lists in ``_no_split_modules``; else the children of the model's
-    largest ``nn.ModuleList``.
+    modules whose class HF lists in ``_no_split_modules`` that are items of a layer list
+    (``nn.ModuleList``, ``nn.Sequential``), or all of them where none is; else the children of
+    the model's largest ``nn.ModuleList``.
+
+    HF lists more than the layers there: BERT its embeddings, whose word embedding the LM head
+    shares (a unit of its own under fsdp2 would untie them), Mamba its mixer inside each block.
     """
+    import torch.nn as nn  # here, not at import: plugin declarations load without torch
+
     named = list(model.named_modules())
     if pattern is not None:
         return [(n, m) for n, m in named if n and fnmatch.fnmatchcase(n, pattern)]
     classes = set(getattr(model, "_no_split_modules", None) or ())
     if classes:
         found = [(n, m) for n, m in named if type(m).__name__ in classes]
-        if found:
-            return found
-    import torch.nn as nn  # here, not at import: plugin declarations load without torch
+        modules = dict(named)
+        layers = [(n, m) for n, m in found
+                  if isinstance(modules.get(n.rpartition(".")[0]), (nn.ModuleList, nn.Sequential))]
+        if layers or found:
+            return layers or found
 
     lists = [(n, m) for n, m in named if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:

@@ -10,6 +10,7 @@ import attrs
 from ..core.axes import Axis
 from ..core.blocks import blocks_violation, find_blocks
 from ..core.costs import Cost
+from ..core.errors import Violation
 from ..core.values import (
     FULL_PRECISION,
     BatchShape,
@@ -40,7 +41,27 @@ class FSDP2Options:
 
 
 def _model_check(model: nn.Module, options: FSDP2Options, ctx: MeshContext):
-    return blocks_violation(model, options.blocks, "fsdp2")
+    return blocks_violation(model, options.blocks, "fsdp2") or _tied_across(model, options)
+
+
+def _tied_across(model: nn.Module, options: FSDP2Options) -> list[Violation]:
+    """A block sharing a parameter with a module outside it (an embedding tied to the LM head)
+    would get its own sharded copy: the tie breaks and the parameters' names change."""
+    where = {id(p): fqn for fqn, block in find_blocks(model, options.blocks)
+             for p in block.parameters()}
+    bad = {}
+    for name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            block = where.get(id(param))
+            if block is not None and not (name == block or name.startswith(block + ".")):
+                bad.setdefault(block, f"{name}.{pname}")
+    return [Violation(
+        "fsdp2-tied", ("plugins.fsdp2.blocks",),
+        f"block {block} shares a parameter with {outside}, outside it: as a unit of its own it "
+        "would untie them",
+        hint="choose blocks that hold none of the tied parameters (plugins.fsdp2.blocks = "
+        "\"model.layers.*\"), or untie them (config.tie_word_embeddings = false)",
+        plugin="fsdp2") for block, outside in bad.items()]
 
 
 def _shard(options: FSDP2Options, precision: PrecisionPolicy, module: nn.Module, mesh, *,
