@@ -196,6 +196,33 @@ def test_a_config_json_transformers_cannot_read_has_a_fix_to_follow(tmp_path, ca
         "save_pretrained" in err and "[model.config]" not in err
 
 
+def test_a_bert_that_is_no_decoder_is_refused_with_the_key_to_set(tmp_path, capsys):
+    """BertLMHeadModel (what a config.json of model_type "bert" builds) attends both ways
+    unless is_decoder: it trained with each position seeing the token it predicts. Set as the
+    fix says, it trains."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(
+        '{"model_type": "bert", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, '
+        '"num_hidden_layers": 1, "num_attention_heads": 4}')
+    text = f'[model]\npath = "{tmp_path / "m"}"\n[train]\nglobal_batch_size = 2\n' \
+        "[plugins.fsdp2]\n"
+    err = refused(capsys, write(tmp_path / "p.toml", text))
+    assert keys_of(err) == ["model.config.is_decoder"]
+    assert "BertLMHeadModel attends in both directions unless config.is_decoder is true " \
+        f"({tmp_path / 'm' / 'config.json'} leaves it false)" in err
+    assert "fix: set is_decoder = true under [model.config] (it overrides config.json's)" in err
+    from shardgraph.train import loads_pipeline
+    from shardgraph.train.model import hf_config
+
+    fixed = text.replace("[train]", "[model.config]\nis_decoder = true\n[train]")
+    assert hf_config(loads_pipeline(fixed).model).is_decoder is True
+    # the same class named in [model] architecture, and a class that sets the flag itself
+    err = refused(capsys, write(tmp_path / "a.toml", text.replace(
+        f'path = "{tmp_path / "m"}"', 'architecture = "RobertaForCausalLM"')))
+    assert keys_of(err) == ["model.config.is_decoder"] and "fix: set is_decoder = true under " \
+        "[model.config]\n" in err
+
+
 def test_pipelining_a_model_without_layers_says_to_give_it_layers(tmp_path, capsys):
     """A config.json of 0 layers ([model.config] refuses 0 itself): the fix was to "use at
     most 0 stages"."""
