@@ -253,9 +253,6 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
     return Applied(model, values={"tensor_parallel": layout})
 
 
-_COLWISE = COLWISE_STYLES
-
-
 def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
                         recompute: Recomputation | None) -> set[str]:
     """The rowwise layers whose forward a checkpointed block runs again in backward: all but
@@ -279,7 +276,7 @@ def _sharing(resolved: _Resolved, modules: dict[str, nn.Module]) -> dict[str, li
     out: dict[str, list[str]] = {}
     for fqn, style in resolved.matched.items():
         parent = fqn.rpartition(".")[0]
-        if style in _COLWISE and fqn != resolved.head and parent in modules \
+        if style in COLWISE_STYLES and fqn != resolved.head and parent in modules \
                 and parent not in resolved.matched:
             out.setdefault(parent, []).append(fqn)
     return out
@@ -315,7 +312,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
             times = 2 if fqn in again else 1
             n_row += times
             rowwise += times * tokens * batch.hidden * act
-        elif style in _COLWISE:
+        elif style in COLWISE_STYLES:
             head = fqn == resolved.head
             if head and sp:
                 head_in += tokens * m.in_features * act
