@@ -24,6 +24,14 @@ class Violation:
         return f"{text}\n    fix: {self.hint}" if self.hint else text
 
 
+def reported_under(problems: Iterable[Violation], *prefixes: str) -> bool:
+    """Whether one of ``problems`` names a key under one of ``prefixes`` (the key itself or a
+    key below it: ``"model"`` covers ``model.config.hidden_size``). A rule that reads such a
+    key would report a consequence of that problem, not a second one: it is left out."""
+    return any(k == p or k.startswith(p + ".") for v in problems for k in v.keys
+               for p in prefixes)
+
+
 #: Sections of a pipeline file that describe training, not the parallelism plan.
 TRAINING_SECTIONS = ("model", "data", "train", "checkpoint", "validation", "logging")
 PLAN_SUBJECT = "the parallelism plan"

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from ..core.errors import PlanError, Violation
+from ..core.errors import PlanError, Violation, reported_under
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
@@ -306,13 +306,6 @@ def compile_plan(pipeline, world_size: int | None, gpn: int | None, bad: list[Vi
         return None
 
 
-def doubtful(problems, *prefixes: str) -> bool:
-    """Whether a problem already reported names a key under one of ``prefixes``: a rule that
-    reads it would state a consequence."""
-    return any(k == p or k.startswith(p + ".") for v in problems for k in v.keys
-               for p in prefixes)
-
-
 def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = None,
              gpu: str | None = None, efficiency: Efficiency | None = None,
              world_key: str = "world_size", gpus_per_node_key: str = "gpus_per_node",
@@ -338,9 +331,9 @@ def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = No
         raise PlanError([_in_file_keys(b, pipeline.graph) for b in bad])
     v = plan_view(plan)
     setup = setup_of(pipeline)
-    if not doubtful(problems, "train.global_batch_size", "train.micro_batch_size"):
+    if not reported_under(problems, "train.global_batch_size", "train.micro_batch_size"):
         bad += batch_violations(v, setup, world_key)
-    if not doubtful(problems, "model", "data.seq_len"):
+    if not reported_under(problems, "model", "data.seq_len"):
         bad += model_violations(shape, v, setup)
     if bad:
         raise PlanError([_in_file_keys(b, pipeline.graph) for b in bad])

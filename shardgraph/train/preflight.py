@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from ..core.errors import PlanError, Violation
+from ..core.errors import PlanError, Violation, reported_under
 from .config import Pipeline
 
 
@@ -37,22 +37,18 @@ def check(pipeline: Pipeline, nproc: int | None, nproc_key: str = "--nproc",
     from .loop import compile_for, resume_point
 
     bad: list[Violation] = list(problems)
-    doubtful = {k for v in problems for k in v.keys}
-
-    def sound(*prefixes: str) -> bool:
-        return not any(k == p or k.startswith(p + ".") for k in doubtful for p in prefixes)
-
+    # (the batch rules read keys already reported: a consequence, left out)
+    batch = not reported_under(problems, "train.global_batch_size", "train.micro_batch_size")
     plan = None
     if nproc is not None:
-        try:  # (the batch rules read keys already reported: a consequence, left out)
-            plan = compile_for(pipeline, nproc, nproc_key,
-                               batch=sound("train.global_batch_size", "train.micro_batch_size"))
+        try:
+            plan = compile_for(pipeline, nproc, nproc_key, batch=batch)
         except PlanError as exc:
             bad += exc.violations
     else:  # the plan's own problems are still the file's
         bad += pipeline.graph.problems
     found = len(bad)
-    model = _model(pipeline, bad) if sound("model") else None
+    model = _model(pipeline, bad) if not reported_under(problems, "model") else None
     model_bytes = None
     # [model.config] keys the model refused: it was built without them
     refused = [v for v in bad[found:] if all(k.startswith("model.config.") for k in v.keys)]
@@ -61,17 +57,18 @@ def check(pipeline: Pipeline, nproc: int | None, nproc_key: str = "--nproc",
             model_checks(plan, model, nproc, bad, refused=refused, given=config_keys(pipeline))
         if not refused:  # (a model built without them is not this run's)
             model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if sound("model", "data"):
+    if not reported_under(problems, "model", "data"):
         _data(pipeline, bad)
-    if sound("checkpoint", "train.optimizer", "train.momentum"):
+    if not reported_under(problems, "checkpoint", "train.optimizer", "train.momentum"):
         bad += checkpoint_dir(pipeline, model_bytes)
     resume = None
-    if model_bytes is not None and not doubtful:  # the settings a checkpoint is checked against
+    # the settings a checkpoint is checked against: none reported
+    if model_bytes is not None and not any(v.keys for v in problems):
         try:
             resume = resume_point(pipeline)
         except PlanError as exc:
             bad += exc.violations
-    if sound("checkpoint.export_hf"):
+    if not reported_under(problems, "checkpoint.export_hf"):
         bad += _export_dir(pipeline)
     if bad:
         raise PlanError(bad)
@@ -86,11 +83,6 @@ def plan_problems(pipeline: Pipeline, world: int | None, key: str,
     among those is not judged. ``world`` None: not given, and said so, naming ``key``."""
     from .loop import compile_for
 
-    doubtful = {k for v in problems for k in v.keys}
-
-    def sound(*prefixes: str) -> bool:
-        return not any(k == p or k.startswith(p + ".") for k in doubtful for p in prefixes)
-
     bad: list[Violation] = []
     plan = None
     try:
@@ -98,11 +90,11 @@ def plan_problems(pipeline: Pipeline, world: int | None, key: str,
             graph = pipeline.graph
             attrs.evolve(graph, keys={**graph.keys, "world_size": key}).compile(world_size=None)
         else:
-            plan = compile_for(pipeline, world, key,
-                               batch=sound("train.global_batch_size", "train.micro_batch_size"))
+            plan = compile_for(pipeline, world, key, batch=not reported_under(
+                problems, "train.global_batch_size", "train.micro_batch_size"))
     except PlanError as exc:
         bad += exc.violations
-    if sound("model"):
+    if not reported_under(problems, "model"):
         model = _model(pipeline, bad)
         refused = [v for v in bad if v.keys and all(k.startswith("model.config.")
                                                     for k in v.keys)]
