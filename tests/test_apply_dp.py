@@ -127,9 +127,10 @@ def _bert_through_train_loading(world_size: int) -> dict:
     loss = torch.tensor([sgd_step(model, tokens.chunk(dp.size())[dp.get_local_rank()])])
     dist.all_reduce(loss, group=dp.get_group())
     units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    head, embedding = model.cls.predictions.decoder, model.bert.embeddings.word_embeddings
     return {"ref_loss": ref_loss, "loss": loss.item() / dp.size(), "units": units,
             "param_diff": max_param_diff(model, ref_params),
-            "tied": model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight}
+            "tied": head.weight is embedding.weight}
 
 
 def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:

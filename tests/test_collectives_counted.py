@@ -31,10 +31,10 @@ CASES = {  # name -> (model, plan), world 2 and world 4
                                  "[plugins.activation_checkpointing]\n"),
         # the MoE block runs whole around its split shared expert
         "qwen2_moe_shared_expert_sp": ("qwen2_moe", "[plugins.tp]\nsize = 2\n[plugins.tp.plan]\n"
-                                       + "".join(f'"model.layers.*.mlp.shared_expert.{m}" = '
-                                                 f'"{"rowwise" if m == "down_proj" else "colwise"}"\n'
-                                                 for m in ("gate_proj", "up_proj", "down_proj"))
-                                       + "[plugins.sp]\n")},
+                                       '"model.layers.*.mlp.shared_expert.gate_proj" = "colwise"\n'
+                                       '"model.layers.*.mlp.shared_expert.up_proj" = "colwise"\n'
+                                       '"model.layers.*.mlp.shared_expert.down_proj" = "rowwise"\n'
+                                       "[plugins.sp]\n")},
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }
