@@ -82,7 +82,6 @@ def hf_config(spec: ModelConfig):
         check_config_keys(cls, type(config), spec.config, set(spec.config) - set(config.to_dict()))
         for key, value in {**spec.config, **ALWAYS}.items():
             setattr(config, key, value)
-        _check_causal(cls, config, where)
         return config
     cls = _architecture(spec.architecture)
     values = {**TINY, **spec.config, **ALWAYS}
@@ -96,30 +95,23 @@ def hf_config(spec: ModelConfig):
     # A config class keeps an unknown keyword as a stray attribute; one it understands under
     # an older name (rope_theta -> rope_parameters) is consumed and does not reappear.
     check_config_keys(cls, cls.config_class, spec.config, set(spec.config) & set(config.to_dict()))
-    _check_causal(cls, config, None)
     return config
 
 
-def _check_causal(cls: type, config, where: Path | None) -> None:
-    """Refuse a class that attends causally only when ``config.is_decoder`` is set, with it
-    unset: BERT-likes' causal-LM classes (BertLMHeadModel, RobertaForCausalLM, ...) warn and
-    attend both ways, so each position would see the token it is trained to predict. Such a
-    class reads the flag in its ``__init__`` (BART's sets it there itself)."""
-    if getattr(config, "is_decoder", True):
+def _attends_both_ways(model: nn.Module, spec: ModelConfig) -> None:
+    """Refuse a causal-LM class built with ``config.is_decoder`` false: BERT-likes' (BertLMHeadModel,
+    RobertaForCausalLM, ...) warn and attend both ways, so each position would see the token it
+    is trained to predict. Read from the built model's config, which a class that needs the flag
+    and sets it itself (BART's) holds set; a config without the flag (Llama's) is causal."""
+    if getattr(model.config, "is_decoder", True) is not False:
         return
-    try:
-        source = inspect.getsource(cls.__init__)
-    except (OSError, TypeError):
-        return
-    if "config.is_decoder" not in source or re.search(r"config\.is_decoder\s*=[^=]", source):
-        return
-    said = f" ({where} leaves it false)" if where is not None else ""
+    where = f" ({Path(spec.path, 'config.json')} leaves it false)" if spec.path else ""
     raise PlanError([Violation(
         "model", ("model.config.is_decoder",),
-        f"{cls.__name__} attends in both directions unless config.is_decoder is true{said}: "
-        "trained on the next token, each position would see the token it predicts",
+        f"{type(model).__name__} attends in both directions unless config.is_decoder is true"
+        f"{where}: trained on the next token, each position would see the token it predicts",
         hint="set is_decoder = true under [model.config]"
-        + (" (it overrides config.json's)" if where is not None else ""))])
+        + (" (it overrides config.json's)" if spec.path else ""))])
 
 
 def unbuildable(spec: ModelConfig, exc: Exception) -> Violation:
@@ -183,6 +175,7 @@ def meta_model(spec: ModelConfig) -> nn.Module:
     dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float32
     with meta_params():
         model = cls(config)
+    _attends_both_ways(model, spec)
     return model.to(dtype)
 
 
