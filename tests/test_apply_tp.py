@@ -117,7 +117,8 @@ def tiny_moe_shared_expert() -> nn.Module:
 
 def tiny_mla() -> nn.Module:
     """DeepSeek-V3's attention: q and kv come through replicated low-rank projections and norms
-    before the colwise ones."""
+    before the colwise ones, and a rope key split off kv_a_proj_with_mqa's output goes to every
+    head past them."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
@@ -133,7 +134,9 @@ SHARED_EXPERT_PLAN = {f"model.layers.*.{m}": style for m, style in (
     ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
     ("mlp.shared_expert.gate_proj", "colwise"), ("mlp.shared_expert.up_proj", "colwise"),
     ("mlp.shared_expert.down_proj", "rowwise"))}
+#: the user's MLA plan: kv_a_proj_with_mqa is left whole, its rope key's gradient summed over tp
 MLA_PLAN = {"model.layers.*.self_attn.q_b_proj": "colwise",
+            "model.layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
             "model.layers.*.self_attn.kv_b_proj": "colwise",
             "model.layers.*.self_attn.o_proj": "rowwise"}
 
@@ -157,6 +160,11 @@ SCENARIOS = {
         "tp", size=2, plan=SHARED_EXPERT_PLAN).add("sp")),
     "mla_tp": (tiny_mla, lambda: Graph().add("tp", size=2, plan=MLA_PLAN)),
     "mla_sp": (tiny_mla, lambda: Graph().add("tp", size=2, plan=MLA_PLAN).add("sp")),
+    "mla_tp_ac": (tiny_mla, lambda: Graph().add("tp", size=2, plan=MLA_PLAN)
+                  .add("activation_checkpointing")),
+    # the model's own plan (transformers' names kv_a_proj_with_mqa "mla_kv_a_proj")
+    "mla_own_sp_ac": (tiny_mla, lambda: Graph().add("tp", size=2).add("sp")
+                      .add("activation_checkpointing")),
     "llama_tp_fsdp2": (tiny_llama, lambda: Graph().add("tp", size=2).add("fsdp2")),
     "qwen3_sp_fsdp2": (tiny_qwen3, lambda: Graph().add("tp", size=2).add("sp").add("fsdp2")),
     "qwen3_sp_hsdp": (tiny_qwen3, lambda: Graph().add("tp", size=2).add("sp").add("fsdp2")
@@ -210,7 +218,7 @@ def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
 def world2():
     names = ["llama_tp", "qwen3_tp", "llama_tied_tp", "llama_sp", "qwen3_sp", "llama_tp_ac",
              "qwen3_sp_ac", "llama_tp_ac_mp", "llama_loss_parallel", "custom_toml",
-             "moe_shared_expert_tp", "moe_shared_expert_sp", "mla_tp", "mla_sp"]
+             "moe_shared_expert_tp", "moe_shared_expert_sp", "mla_tp", "mla_sp", "mla_tp_ac", "mla_own_sp_ac"]
     return _dist.run(run_scenarios, 2, names)
 
 
@@ -252,15 +260,19 @@ def test_a_module_that_uses_its_input_beside_the_split_linears_matches(world2, n
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["mla_tp", "mla_sp"])
-def test_mlas_replicated_projections_take_a_plain_tensor(world2, name):
+@pytest.mark.parametrize("name", ["mla_tp", "mla_sp", "mla_tp_ac", "mla_own_sp_ac"])
+def test_mla_matches_with_its_shared_rope_keys_gradient_summed(world2, name):
     """MLA's replicated low-rank projections and norms before its split ones (under sp too)
-    take the plain tensor (a DTensor there failed: 'mixed torch.Tensor and DTensor'). The loss
-    is exact; parameters are not compared: under this plan the rope key MLA shares across
-    heads gets each rank's heads' gradient only (kv_a_proj_with_mqa off by 5e-5 after one
-    step), which a plan of this model's own would have to reduce."""
-    for r in world2:
-        assert abs(r[name]["loss"] - r[name]["ref_loss"]) < 1e-5, r[name]
+    take the plain tensor (a DTensor there failed: 'mixed torch.Tensor and DTensor'). The rope
+    key it splits off kv_a_proj_with_mqa's output reaches every head past the colwise kv_b_proj:
+    each rank's backward brings back its own heads' part of that gradient, and
+    ``mla_kv_a_proj`` sums it over tp once (without it kv_a_proj_with_mqa was 5.5e-5 off after
+    one step, the embedding 4.6e-5), with activation checkpointing too."""
+    _exact(world2, name)
+    shard = world2[0][name]["shard"]
+    assert shard["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == 1  # whole
+    assert shard["model.layers.0.self_attn.kv_b_proj.weight"] == 2
+    assert shard["model.layers.0.self_attn.q_b_proj.weight"] == 2
 
 
 @pytest.mark.multiprocess
@@ -333,6 +345,36 @@ def _rejected(model: nn.Module, graph: Graph, world_size: int = 2) -> PlanError:
     assert classes == {n: type(m) for n, m in model.named_modules()}
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     return caught.value
+
+
+_MLA_AT = "model.layers.*.self_attn."
+
+
+@pytest.mark.parametrize(("plan", "whole"), [
+    # the rope key's projection left whole with no style: its gradient would stay partial
+    ({k: v for k, v in MLA_PLAN.items() if "kv_a_proj" not in k}, ["kv_a_proj_with_mqa"]),
+    # q left whole beside a split kv: q_a_proj and q_b_proj feed the heads past kv_b_proj
+    ({_MLA_AT + "kv_a_proj_with_mqa": "mla_kv_a_proj", _MLA_AT + "kv_b_proj": "colwise",
+      _MLA_AT + "o_proj": "rowwise"}, ["q_a_proj", "q_b_proj"]),
+])
+def test_a_user_plan_that_leaves_a_heads_gradient_unsummed_is_refused(plan, whole):
+    err = _rejected(tiny_mla(), Graph().add("tp", size=2, plan=plan))
+    assert set(err.rules) == {"tp-unsummed-grad"}
+    assert len(err.violations) == len(whole)
+    for v, name in zip(err.violations, whole):
+        assert f"model.layers.0.self_attn.{name} is left whole" in v.message
+        assert f"plugins.tp.plan['{_MLA_AT}kv_b_proj']" in v.keys
+        assert f"plugins.tp.plan['{_MLA_AT}{name}'] = \"mla_kv_a_proj\"" in v.hint
+        assert "\"replicate\"" in v.hint
+
+
+def test_mla_kv_a_proj_needs_the_rope_keys_width_from_the_config():
+    plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "mla_kv_a_proj",
+            "blocks.*.attn.v": "colwise", "blocks.*.attn.out": "rowwise"}
+    err = _rejected(TinyLM(), Graph().add("tp", size=2, plan=plan))
+    assert err.rules == ("tp-style",)
+    assert err.keys == ("plugins.tp.plan['blocks.*.attn.k']", "model.config.qk_rope_head_dim")
+    assert "is missing" in str(err)
 
 
 def test_heads_not_divisible_by_tp():

@@ -15,6 +15,13 @@ Low-rank adapters a step before this one added (``inputs["low_rank_adapters"]``,
 laid out beside their base linear so that the sum stays exact: a colwise layer's ``up`` is split
 like its output, a rowwise layer's ``down`` like its input (``LowRankAdapters.split``).
 
+A linear the plan leaves whole inside attention must reach the split heads through colwise
+linears only, which sum their input gradients over tp. MLA's ``kv_a_proj_with_mqa`` does not:
+the rope key split off its output goes to every head directly, so each rank gets back only its
+own heads' part of that gradient. Style ``mla_kv_a_proj`` (transformers' name, in DeepSeek's own
+plan) sums it over tp; a user's plan that leaves such a linear whole without a style is refused
+(``tp-unsummed-grad``).
+
 The residual stream between blocks is replicated here; the ``sp`` step that may follow shards it
 along the sequence through the layout this step exports (``core.values.TPLayout``, capability
 ``tensor_parallel``).
@@ -46,7 +53,7 @@ styles = lazy_module("shardgraph.parallelisms.tp._styles")
 #: here so that compiling a plan that names styles imports no torch
 STYLE_NAMES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep",
                "embedding_rowwise", "packed_colwise", "sequence_parallel",
-               "replicated_with_grad_allreduce", "replicate")
+               "replicated_with_grad_allreduce", "mla_kv_a_proj", "replicate")
 
 
 @attrs.frozen
@@ -122,14 +129,17 @@ def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
                       hint="make the globs disjoint")
             for fqn, globs in twice.items()]
     config = getattr(model, "config", None)
+    keys = {fqn: origin[next(g for g in plan if styles.glob_matches(g, fqn))] for fqn in matched}
     for fqn, style in matched.items():
-        key = origin[next(g for g in plan if styles.glob_matches(g, fqn))]
-        bad += _module_problems(fqn, modules[fqn], style, key, tp, config)
+        bad += _module_problems(fqn, modules[fqn], style, keys[fqn], tp, config)
+    bad += _rope_widths(matched, modules, keys, config)
     if any(_is_attention(fqn) for fqn in matched):
         bad += _head_counts(config, tp)
     bad += _tied(model, matched)
     head = output_embeddings(model)
     head_fqn = next((n for n, m in modules.items() if m is head and n), None) if head else None
+    if options.plan is not None:
+        bad += _unsummed_gradients(matched, head_fqn, modules, keys)
     return _Resolved(matched, bad, head_fqn)
 
 
@@ -159,6 +169,79 @@ def _module_problems(fqn, module, style, key, tp, config) -> list[Violation]:
         hint=f"choose tp among the divisors of {size // spec.packed}, or leave {fqn} out of "
         "the plan",
     )]
+
+
+def _rope_widths(matched: dict[str, str], modules: dict[str, nn.Module], keys: dict[str, str],
+                 config) -> list[Violation]:
+    """``mla_kv_a_proj`` reads the rope key's width from the config: one problem per plan entry
+    (not per layer) when it is missing or does not fit the module's output."""
+    import torch.nn as nn
+
+    width = styles.rope_width(config) if config is not None else None
+    bad: dict[str, Violation] = {}
+    for fqn, style in matched.items():
+        module = modules[fqn]
+        if style != "mla_kv_a_proj" or not isinstance(module, nn.Linear) or keys[fqn] in bad:
+            continue
+        if width is None or not 0 < width < module.out_features:
+            got = "is missing" if width is None else f"= {width}"
+            bad[keys[fqn]] = Violation(
+                "tp-style", (keys[fqn], "model.config.qk_rope_head_dim"),
+                f"style 'mla_kv_a_proj' on {fqn} sums the gradient of its last "
+                f"config.qk_rope_head_dim outputs (MLA's rope key), but that width {got} "
+                f"(it must be between 0 and {fqn}.out_features = {module.out_features})",
+                hint="set qk_rope_head_dim in the model's config, or give this module another "
+                "style",
+            )
+    return list(bad.values())
+
+
+def _unsummed_gradients(matched: dict[str, str], head: str | None,
+                        modules: dict[str, nn.Module], keys: dict[str, str]) -> list[Violation]:
+    """A linear the plan leaves whole inside a module whose colwise linears tp splits (by heads,
+    in attention) must hand its output to them: their input gradients are summed over tp, so
+    its gradient is whole. One whose output (or a part of it) reaches the split computation
+    another way — MLA's rope key, split off ``kv_a_proj_with_mqa`` and given to every head —
+    gets back only this rank's heads' part, and nothing would sum it: refused unless the plan
+    names it (``mla_kv_a_proj`` sums the rope key's part; ``replicate`` declares that its
+    output reaches the heads only through the split linears). The test reads widths: its
+    output must be as wide as what one of those linears takes. It reads a user's plan only:
+    a model's own (transformers') names its shared keys itself, and there the test would refuse
+    AXK2's q_a_proj, whose output reaches its colwise q_gate_proj concatenated with its norm."""
+    import torch.nn as nn
+
+    split: dict[str, list[str]] = {}
+    for parent, linears in _sharing(matched, head, modules).items():
+        linears = [f for f in linears if isinstance(modules[f], nn.Linear)]  # others: tp-style
+        if any(matched[f] in ("colwise", "packed_colwise") for f in linears):  # output stays split
+            split[parent] = linears
+    found: dict[str, list[tuple[str, str, int, list[int]]]] = {}  # a glob over the layers
+    for parent, linears in split.items():
+        takes = sorted({modules[f].in_features for f in linears})
+        for name, child in modules[parent].named_children():
+            path = f"{parent}.{name}"
+            if isinstance(child, nn.Linear) and path not in matched \
+                    and child.out_features not in takes:
+                glob = ".".join("*" if t.isdigit() else t for t in path.split("."))
+                found.setdefault(glob, []).append((path, parent, child.out_features, takes))
+    bad = []
+    for glob, hits in found.items():
+        path, parent, width, takes = hits[0]
+        more = f" (and {len(hits) - 1} more like it)" if len(hits) > 1 else ""
+        bad.append(Violation(
+            "tp-unsummed-grad",
+            tuple(dict.fromkeys(keys[f] for f in split[parent])),
+            f"{path}{more} is left whole beside the linears tp splits in {parent}, and its "
+            f"output ({width} features) is not what any of them takes "
+            f"({', '.join(map(str, takes))}): what of it reaches the split heads directly "
+            "(MLA's rope key, a key shared by every head) would get back only this rank's "
+            "heads' gradient, and nothing sums it over tp",
+            hint=f"name it in the plan: plugins.tp.plan[{glob!r}] = \"mla_kv_a_proj\" when it is "
+            "MLA's kv_a_proj_with_mqa (the gradient of its last config.qk_rope_head_dim outputs "
+            "is summed over tp), or \"replicate\" when its output reaches the heads only through "
+            f"the split linears; or leave {parent}'s linears out of the plan",
+        ))
+    return bad
 
 
 def _is_attention(fqn: str) -> bool:
@@ -235,19 +318,21 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
     layout = TPLayout(resolved.matched, resolved.head)
     tp_mesh = ctx.mesh(Axis.TP)
     adapters = inputs.get("low_rank_adapters")  # LoRA's: laid out beside their base linear
+    config = getattr(model, "config", None)
     for fqn, style in resolved.matched.items():
         built = styles.torch_style(style, modules[fqn], layout=layout,
-                                   head=fqn == resolved.head, loss_parallel=options.loss_parallel)
+                                   head=fqn == resolved.head, loss_parallel=options.loss_parallel,
+                                   config=config)
         if built is None:
             continue
-        if adapters is None or not adapters.adapted(fqn):
+        if adapters is None or not adapters.adapted(fqn) or style in styles.PLAIN_PARAMETERS:
             parallelize_module(modules[fqn], tp_mesh, built)
             continue
         with adapters.detached(modules[fqn]) as children:
             parallelize_module(modules[fqn], tp_mesh, built)
         styles.distribute_adapters(children, adapters, style, tp_mesh)
     _retie(model, tied)
-    for parent, linears in _sharing(resolved, modules).items():
+    for parent, linears in _sharing(resolved.matched, resolved.head, modules).items():
         styles.share_input_reduction(modules[parent], [modules[f] for f in linears], layout,
                                      tp_mesh)
     return Applied(model, values={"tensor_parallel": layout})
@@ -269,15 +354,15 @@ def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
     return again - set(last.values())
 
 
-def _sharing(resolved: _Resolved, modules: dict[str, nn.Module]) -> dict[str, list[str]]:
+def _sharing(matched: dict[str, str], head: str | None,
+             modules: dict[str, nn.Module]) -> dict[str, list[str]]:
     """The modules (attention, MLP) around colwise linears other than the head, which tp does
     not split itself -> those linears: each module sums the input gradients of the ones it
     feeds its own input once."""
     out: dict[str, list[str]] = {}
-    for fqn, style in resolved.matched.items():
+    for fqn, style in matched.items():
         parent = fqn.rpartition(".")[0]
-        if style in COLWISE_STYLES and fqn != resolved.head and parent in modules \
-                and parent not in resolved.matched:
+        if style in COLWISE_STYLES and fqn != head and parent in modules and parent not in matched:
             out.setdefault(parent, []).append(fqn)
     return out
 
@@ -304,7 +389,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     rowwise = colwise = gathered = head_in = grads = 0
     n_row = n_col = n_gather = n_grads = 0
     shared: dict[str, int] = {}  # module -> the bytes of its input gradient
-    sharing = set(_sharing(resolved, modules))
+    sharing = set(_sharing(resolved.matched, resolved.head, modules))
     again = _recomputed_rowwise(resolved, modules, inputs.get("activation_checkpointing"))
     for fqn, style in resolved.matched.items():
         m = modules[fqn]

@@ -15,7 +15,7 @@ import attrs
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -60,10 +60,17 @@ STYLES: dict[str, Style] = {s.name: s for s in (
           doc="parameters replicated, input and output sharded along the sequence (dim 1)"),
     Style("replicated_with_grad_allreduce", None,
           doc="parameters replicated, gradients summed over tp (a per-head q/k norm)"),
-    Style("replicate", None, doc="left whole on every rank"),
+    Style("mla_kv_a_proj", LINEAR,
+          doc="left whole; the last config.qk_rope_head_dim outputs (MLA's rope key, shared by "
+          "every head) get their gradient summed over tp"),
+    Style("replicate", None,
+          doc="left whole on every rank; nothing sums its gradient, so its output must reach "
+          "split heads only through colwise linears"),
 )}
 
 HEAD_STYLES = frozenset({"colwise", "colwise_rep", "colwise_gather_output"})
+#: styles that leave the module's parameters plain tensors (LoRA's adapters beside stay plain)
+PLAIN_PARAMETERS = frozenset({"mla_kv_a_proj"})
 
 
 def glob_matches(glob: str, fqn: str) -> bool:
@@ -119,14 +126,23 @@ def model_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     return plan, origin
 
 
+def rope_width(config) -> int | None:
+    """The width of MLA's rope key (``qk_rope_head_dim``, transformers' name) in ``config``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    width = getattr(text, "qk_rope_head_dim", None)
+    return width if isinstance(width, int) and not isinstance(width, bool) else None
+
+
 def torch_style(
-    name: str, module: nn.Module, *, layout: TPLayout, head: bool, loss_parallel: bool
+    name: str, module: nn.Module, *, layout: TPLayout, head: bool, loss_parallel: bool,
+    config=None,
 ) -> ParallelStyle | None:
     """The torch ``ParallelStyle`` for style ``name`` on ``module``.
 
     The LM head's logits are gathered (replicated) unless ``loss_parallel`` keeps them
     vocabulary-sharded (a DTensor for ``loss_parallel()``). The styles on the residual stream
     read its placements from ``layout`` at every call (sp switches them after this step).
+    ``config``: the model's, for the widths a style reads from it (``mla_kv_a_proj``'s).
     """
     if head and name in HEAD_STYLES:
         return ResidualHead(layout, output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -147,6 +163,8 @@ def torch_style(
         return KeepFrozenSequenceParallel(use_local_output=True)
     if name == "replicated_with_grad_allreduce":
         return ReplicatedWithGradAllReduce()
+    if name == "mla_kv_a_proj":
+        return SharedTailGradReduce(rope_width(config))
     if name == "replicate":
         return None
     raise KeyError(name)
@@ -267,6 +285,34 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
 
         module.register_forward_pre_hook(to_dtensor)
         module.register_forward_hook(to_local)
+        return module
+
+
+class SharedTailGradReduce(ParallelStyle):
+    """A module left whole whose output's last ``width`` features reach every head directly.
+
+    MLA splits its rope key off ``kv_a_proj_with_mqa``'s output and hands it to every head,
+    past the colwise ``kv_b_proj``. Under tp a rank runs attention for its own heads only, so
+    the gradient that comes back to that slice is a partial sum over heads, one part per rank.
+    The slice leaves the module as a replicated DTensor turned local with its gradient declared
+    ``Partial``: in backward DTensor sums it over tp (one all-reduce of the slice), where the
+    DTensor was made. The rest of the output feeds the colwise ``kv_b_proj``, whose input
+    gradient tp sums already; the parameters stay plain tensors, their gradient then whole.
+    """
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        width = self.width
+
+        def reduce_tail_grad(mod, args, out):
+            rest, tail = out.split([out.shape[-1] - width, width], dim=-1)
+            tail = DTensor.from_local(tail, device_mesh, [Replicate()], run_check=False)
+            return torch.cat([rest, tail.to_local(grad_placements=[Partial()])], dim=-1)
+
+        module.register_forward_hook(reduce_tail_grad)
         return module
 
 
