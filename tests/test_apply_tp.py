@@ -31,6 +31,7 @@ from tests.models import (
     max_param_diff,
     sgd_step,
     tiny_llama,
+    tiny_mla,
     tiny_qwen3,
 )
 
@@ -113,20 +114,6 @@ def tiny_moe_shared_expert() -> nn.Module:
         shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         attn_implementation="sdpa", use_cache=False))
-
-
-def tiny_mla() -> nn.Module:
-    """DeepSeek-V3's attention: q and kv come through replicated low-rank projections and norms
-    before the colwise ones, and a rope key split off kv_a_proj_with_mqa's output goes to every
-    head past them."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=16, attn_implementation="sdpa", use_cache=False))
 
 
 SHARED_EXPERT_PLAN = {f"model.layers.*.{m}": style for m, style in (

@@ -1,8 +1,8 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp and cp
-(with and without full and selective activation checkpointing; the training step's forward and
-backward of two micro-batches) counted at the dispatcher, group by group, call by call and byte
-by byte, against the rows ``shardgraph dryrun`` prints for the same plan
-(``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the runtime's own
+(with and without full and selective activation checkpointing; Llama, Qwen3 and DeepSeek's MLA;
+the training step's forward and backward of two micro-batches) counted at the dispatcher, group
+by group, call by call and byte by byte, against the rows ``shardgraph dryrun`` prints for the
+same plan (``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the runtime's own
 reductions (token count, loss, gradient norm) are not compared here."""
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ CASES = {  # name -> (model, plan), world 2 and world 4
                                        '"model.layers.*.mlp.shared_expert.gate_proj" = "colwise"\n'
                                        '"model.layers.*.mlp.shared_expert.up_proj" = "colwise"\n'
                                        '"model.layers.*.mlp.shared_expert.down_proj" = "rowwise"\n'
-                                       "[plugins.sp]\n")},
+                                       "[plugins.sp]\n"),
+        # MLA (DeepSeek's own plan): q_b_proj and kv_b_proj sum their own input gradients,
+        # the shared rope key's gradient is summed once, recomputed or not
+        "mla_tp_ac": ("mla", "[plugins.tp]\nsize = 2\n[plugins.activation_checkpointing]\n"),
+        "mla_tp_sp": ("mla", "[plugins.tp]\nsize = 2\n[plugins.sp]\n")},
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }
@@ -75,14 +79,15 @@ def run_cases(rank: int, world: int) -> dict:
     from shardgraph.graphs.runtime import shift_labels
     from shardgraph.train.config import loads_pipeline
     from shardgraph.train.dryrun import collectives
-    from tests.models import batch, tiny_llama, tiny_qwen3
+    from tests.models import batch, tiny_llama, tiny_mla, tiny_qwen3
     from tests.test_apply_tp import tiny_moe_shared_expert
 
     out = {}
     for name, (model, plan_text) in CASES[world].items():
         plan = loads_pipeline(plan_text).graph.compile(world_size=world)
         ctx = plan.build_mesh("cpu")
-        models = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2_moe": tiny_moe_shared_expert}
+        models = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2_moe": tiny_moe_shared_expert,
+                  "mla": tiny_mla}
         parallel = plan.apply(models[model](), ctx)
         lay = ctx.layout
         pipeline = loads_pipeline(f"[data]\nseq_len = {SEQ}\n[train]\nglobal_batch_size = "

@@ -62,3 +62,13 @@ class SharedInput:
         if args and self.local is not None and args[0] is self.local:
             return (self.shared, *args[1:])
         return None
+
+
+def takes_module_input(linear: nn.Module, rowwise: list[nn.Module]) -> bool:
+    """Whether a colwise ``linear`` inside a module (attention, an MLP) takes the module's own
+    input, as ``SharedInput`` hands it, for the dry run's count: read from widths, since what a
+    module feeds its linears is known only when it runs. It does when it is as wide as what the
+    module's ``rowwise`` linears give back (the residual stream), or when none says; MLA's
+    q_b_proj and kv_b_proj take a low-rank latent instead, and sum their own input gradient."""
+    widths = {m.out_features for m in rowwise if isinstance(m, nn.Linear)}
+    return not widths or getattr(linear, "in_features", None) in widths

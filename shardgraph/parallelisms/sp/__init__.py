@@ -202,7 +202,8 @@ def _full_positions(tp: int, decoder: nn.Module, args, kwargs):
 def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
     """The sequence gathered into what tp split (forward; the input gradients of the colwise
-    linears inside sum to one partial gradient, reduce-scattered back in backward) or what runs
+    linears inside that take it sum to one partial gradient, reduce-scattered back in backward:
+    none of MLA's does, each sums its own, tp's row) or what runs
     whole (its gradient comes back replicated: a slice needs no exchange), and gathered back
     behind what a replicated layer's output was sliced from (backward); inside a part that runs
     whole around split layers (the MoE block with a split shared expert) each rowwise layer's
@@ -217,8 +218,10 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     again = [fqn for fqn, s in built.items() if isinstance(s, gathering)
              and recompute.region(modules, fqn) is not None] if recompute is not None else []
     gathers = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) for s in built.values())
-    partial = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) and bool(s.linears)
-                  for s in built.values())
+    tp = inputs["tensor_parallel"]
+    partial = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) and any(
+        styles.takes_module_input(linear, _rowwise_inside(fqn, tp, modules))
+        for linear in s.linears) for fqn, s in built.items())
     scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole)) for s in built.values())
     norms = [p for fqn, s in built.items() if isinstance(s, styles.KeepFrozenSequenceParallel)
              for p in modules[fqn].parameters()] if ctx.layout.dp * ctx.layout.cp > 1 else []
@@ -250,6 +253,11 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
             + collective("all_reduce", "tp", len(norms) * mb,
                          mb * sum(p.numel() * p.element_size() for p in norms),
                          "partial gradients of sequence-sharded norms (backward)"))
+
+
+def _rowwise_inside(path: str, tp: TPLayout, modules: dict[str, nn.Module]) -> list[nn.Module]:
+    return [modules[p] for p, style in tp.matched.items()
+            if p.startswith(path + ".") and style in ("rowwise", "rowwise_rep")]
 
 
 def _cost(options, layout) -> Cost:

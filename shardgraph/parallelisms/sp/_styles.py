@@ -8,10 +8,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .._shared import KeepFrozenSequenceParallel, SharedInput
+from .._shared import KeepFrozenSequenceParallel, SharedInput, takes_module_input
 
 __all__ = ["GatherOutput", "GatherSequence", "KeepFrozenSequenceParallel", "ScatterSequence",
-           "ShareWholeInput", "Whole"]
+           "ShareWholeInput", "Whole", "takes_module_input"]
 
 
 class GatherSequence(ParallelStyle):

@@ -372,13 +372,14 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted
     in tests/test_collectives_counted.py): a rowwise layer's partial output is summed (reduce-scattered
     along the sequence under sp, whose backward gathers the gradient back); every colwise
-    linear's input gradient is summed in backward, once for the module around them (attention,
-    MLP: ``share_input_reduction``; counted so, as for Llama-like blocks, where each takes the
-    module's own input: a linear fed something else, such as MLA's after a norm, sums its own),
-    under sp the head's reduce-scattered and the others' by sp's gather (sp's rows); a
-    gathered colwise output (the logits unless ``loss_parallel``) is all-gathered; a replicated
-    parameter's partial gradient (a per-head q/k norm's) is all-reduced. A checkpointed block
-    runs its forward's again when it recomputes, up to its last rowwise layer (torch's
+    linear's input gradient is summed in backward: once for the module around those that take
+    its own input (attention, MLP: ``share_input_reduction``), under sp by sp's gather (sp's
+    rows); the head's (reduce-scattered under sp) and those of linears fed something else
+    (MLA's q_b_proj and kv_b_proj, after a norm; which ones, ``takes_module_input`` reads from
+    widths) each alone; a gathered colwise output (the logits unless ``loss_parallel``) is
+    all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is
+    all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``). A checkpointed
+    block runs its forward's again when it recomputes, up to its last rowwise layer (torch's
     checkpoint stops at the last tensor backward reads); sp's own gathers are sp's rows. A partial
     gradient is summed by the strategy's reduction in each backward; without a strategy
     (dp * cp = 1) at the optimizer step, not listed."""
@@ -386,10 +387,14 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     resolved = _resolve(model, options, ctx.tp_size)
     modules = dict(model.named_modules())
     mb, tokens, act = batch.micro_batches, batch.tokens, batch.act_bytes
-    rowwise = colwise = gathered = head_in = grads = 0
-    n_row = n_col = n_gather = n_grads = 0
+    rowwise = colwise = gathered = head_in = grads = rope = 0
+    n_row = n_col = n_gather = n_grads = n_rope = 0
     shared: dict[str, int] = {}  # module -> the bytes of its input gradient
     sharing = set(_sharing(resolved.matched, resolved.head, modules))
+    gives_back: dict[str, list[nn.Module]] = {}  # module -> its rowwise linears
+    for fqn, style in resolved.matched.items():
+        if style in ("rowwise", "rowwise_rep"):
+            gives_back.setdefault(fqn.rpartition(".")[0], []).append(modules[fqn])
     again = _recomputed_rowwise(resolved, modules, inputs.get("activation_checkpointing"))
     for fqn, style in resolved.matched.items():
         m = modules[fqn]
@@ -399,18 +404,22 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
             rowwise += times * tokens * batch.hidden * act
         elif style in COLWISE_STYLES:
             head = fqn == resolved.head
+            parent = fqn.rpartition(".")[0]
             if head and sp:
                 head_in += tokens * m.in_features * act
-            elif not sp and fqn.rpartition(".")[0] in sharing:
-                # the module around it sums its linears' input gradients once
-                shared[fqn.rpartition(".")[0]] = tokens * m.in_features * act
-            elif not sp:
+            elif parent in sharing and styles.takes_module_input(m, gives_back.get(parent, [])):
+                if not sp:  # the module around it sums its linears' input gradients once
+                    shared[parent] = tokens * m.in_features * act
+            elif not sp or parent in sharing:  # it sums its own
                 n_col += 1
                 colwise += tokens * m.in_features * act
             if style != "colwise" and style != "packed_colwise" and not (
                     head and options.loss_parallel):
                 n_gather += 1
                 gathered += tokens * m.out_features * act
+        elif style == "mla_kv_a_proj":
+            n_rope += 1
+            rope += tokens * styles.rope_width(model.config) * act
         elif style == "replicated_with_grad_allreduce" and ctx.layout.dp * ctx.layout.cp > 1:
             for p in m.parameters():
                 n_grads += 1
@@ -430,6 +439,8 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                          "input gradients of the modules around colwise linears (backward)")
             + collective("all_reduce", "tp", n_col * mb, colwise,
                          "other colwise linears' input gradients (backward)")
+            + collective("all_reduce", "tp", n_rope * mb, rope,
+                         "the gradient of MLA's rope key, shared by every head (backward)")
             + collective("reduce_scatter", "tp", heads * mb, head_in,
                          "the LM head's input gradient (backward)")
             + collective("all_reduce", "tp", n_grads * mb, mb * grads,

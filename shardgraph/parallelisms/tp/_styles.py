@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ...core.blocks import input_embeddings
 from ...core.values import TPLayout
 from .._shared import KeepFrozenSequenceParallel, SharedInput
+from .._shared import takes_module_input  # noqa: F401 - tp's count of its collectives reads it
 
 LINEAR = (nn.Linear,)
 EMBEDDING = (nn.Embedding,)
