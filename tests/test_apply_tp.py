@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed._composable import _get_registry
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from transformers import PreTrainedConfig
 
 from shardgraph import Graph, MeshContext, PlanError, load_toml
 from tests import _dist
@@ -369,6 +370,81 @@ def test_heads_not_divisible_by_tp():
     assert err.rules == ("tp-heads",)
     assert err.keys == ("model.config.num_key_value_heads", "plugins.tp.size")
     assert "divisors of 1" in str(err)
+
+
+def tiny_gemma4(kv_heads: int = 2, global_kv_heads: int = 1) -> nn.Module:
+    """Gemma 4's full-attention layers have a key/value head count of their own
+    (``num_global_key_value_heads``): transformers keeps it in ``config.per_layer_config``, and
+    reading ``config.num_key_value_heads`` raises ``AmbiguousGlobalPerLayerAttributeError``
+    (so do dots3's and Step 3.5's sliding-window layers' head counts, and EmbeddingGemma 2's)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    return Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, global_head_dim=16,
+        num_global_key_value_heads=global_kv_heads, attention_k_eq_v=True,
+        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+        attn_implementation="sdpa", use_cache=False))
+
+
+def test_head_counts_that_differ_by_layer_are_each_checked():
+    model = tiny_gemma4(kv_heads=2, global_kv_heads=1)
+    assert model.config.per_layer_attributes == {"num_key_value_heads"}
+    err = _rejected(model, Graph().add("tp", size=2))
+    assert err.rules == ("tp-heads",)
+    assert err.keys == ("model.config.per_layer_config[1].num_key_value_heads", "plugins.tp.size")
+    assert "num_key_value_heads = 1 in layer 1 (config.per_layer_config) is not divisible by " \
+        "tp = 2" in str(err)
+    assert "the other layers have 2 in layer 0" in str(err) and "divisors of 1" in str(err)
+
+
+def test_head_counts_that_differ_by_layer_pass_where_tp_divides_each():
+    model = tiny_gemma4(kv_heads=4, global_kv_heads=2)
+    plan = Graph().add("tp", size=2).compile(world_size=2)
+    plan.check_model(model, MeshContext(plan.layout, "cpu"))  # no error
+
+
+class _ComputedHeads(PreTrainedConfig):
+    """A config whose own code cannot give a head count (as remote code may fail)."""
+
+    @property
+    def num_key_value_heads(self):
+        raise RuntimeError("computed when the checkpoint loads")
+
+
+def test_a_head_count_that_cannot_be_read_is_said_so():
+    model = TinyLM()
+    model.config = _ComputedHeads(num_attention_heads=4)
+    err = _rejected(model, load_toml(TOML))
+    assert err.rules == ("tp-heads",)
+    assert err.keys == ("model.config.num_key_value_heads", "plugins.tp.size")
+    assert "cannot be read from _ComputedHeads (RuntimeError: computed when the checkpoint " \
+        "loads)" in str(err) and "is not known" in str(err)
+
+
+def test_a_config_with_several_text_configs_is_read_at_its_decoder():
+    """MusicGen's config holds a text encoder's and a decoder's: ``get_text_config()`` raises."""
+    model = TinyLM()
+    model.config = PreTrainedConfig()
+    model.config.text_encoder = PreTrainedConfig(num_attention_heads=4)
+    model.config.decoder = PreTrainedConfig(num_attention_heads=4, num_key_value_heads=1)
+    err = _rejected(model, load_toml(TOML))
+    assert err.rules == ("tp-heads",)
+    assert "num_key_value_heads = 1 is not divisible by tp = 2" in str(err)
+
+
+def test_mla_kv_a_proj_refuses_a_rope_width_that_differs_by_layer():
+    plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "mla_kv_a_proj",
+            "blocks.*.attn.v": "colwise", "blocks.*.attn.out": "rowwise"}
+    model = TinyLM()
+    model.config = PreTrainedConfig(num_hidden_layers=2, qk_rope_head_dim=16,
+                                    per_layer_config={1: {"qk_rope_head_dim": 32}})
+    err = _rejected(model, Graph().add("tp", size=2, plan=plan))
+    assert err.rules == ("tp-style",)
+    assert err.keys == ("plugins.tp.plan['blocks.*.attn.k']",
+                        "model.config.per_layer_config[0].qk_rope_head_dim")
+    assert "differs by layer (16 in layer 0, 32 in layer 1)" in str(err)
 
 
 def test_intermediate_size_not_divisible_names_the_config_attribute():

@@ -42,6 +42,7 @@ from ...core.blocks import output_embeddings
 from ...core.values import (COLWISE_STYLES, Applied, BatchShape, Recomputation, TPLayout,
                              collective)
 from ...plugins import Kind, Plugin
+from . import _config
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
@@ -134,7 +135,7 @@ def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
         bad += _module_problems(fqn, modules[fqn], style, keys[fqn], tp, config)
     bad += _rope_widths(matched, modules, keys, config)
     if any(_is_attention(fqn) for fqn in matched):
-        bad += _head_counts(config, tp)
+        bad += _config.head_counts(config, tp)
     bad += _tied(model, matched)
     head = output_embeddings(model)
     head_fqn = next((n for n, m in modules.items() if m is head and n), None) if head else None
@@ -164,7 +165,7 @@ def _module_problems(fqn, module, style, key, tp, config) -> list[Violation]:
         return []
     what = f"{tp}" if spec.packed == 1 else f"{spec.packed} * tp = {spec.packed * tp}"
     return [Violation(
-        "tp-divisible", (key, *_config_keys(config, size)),
+        "tp-divisible", (key, *_config.config_keys(config, size)),
         f"{fqn}.{attr} = {size} is not divisible by {what}",
         hint=f"choose tp among the divisors of {size // spec.packed}, or leave {fqn} out of "
         "the plan",
@@ -177,13 +178,24 @@ def _rope_widths(matched: dict[str, str], modules: dict[str, nn.Module], keys: d
     (not per layer) when it is missing or does not fit the module's output."""
     import torch.nn as nn
 
-    width = styles.rope_width(config) if config is not None else None
+    width = _config.rope_width(config) if config is not None else None
     bad: dict[str, Violation] = {}
     for fqn, style in matched.items():
         module = modules[fqn]
         if style != "mla_kv_a_proj" or not isinstance(module, nn.Linear) or keys[fqn] in bad:
             continue
-        if width is None or not 0 < width < module.out_features:
+        widths = _config.rope_widths(config) if width is None and config is not None else []
+        if len(widths) > 1:  # the style sums one width in every layer
+            bad[keys[fqn]] = Violation(
+                "tp-style", (keys[fqn], _config.layer_key("qk_rope_head_dim", widths[0][1])),
+                f"style 'mla_kv_a_proj' on {fqn} sums the gradient of the last "
+                "config.qk_rope_head_dim outputs (MLA's rope key) of every layer's linear, but "
+                "that width differs by layer (" + ", ".join(
+                    f"{w} in {_config.name_layers(ls)}" for w, ls in widths) + ")",
+                hint="give every layer the same qk_rope_head_dim, or give this module another "
+                "style",
+            )
+        elif width is None or not 0 < width < module.out_features:
             got = "is missing" if width is None else f"= {width}"
             bad[keys[fqn]] = Violation(
                 "tp-style", (keys[fqn], "model.config.qk_rope_head_dim"),
@@ -246,28 +258,6 @@ def _unsummed_gradients(matched: dict[str, str], head: str | None,
 
 def _is_attention(fqn: str) -> bool:
     return any("attn" in t.lower() or "attention" in t.lower() for t in fqn.split("."))
-
-
-def _config_keys(config, size: int) -> tuple[str, ...]:
-    names = ("vocab_size", "intermediate_size", "hidden_size", "moe_intermediate_size")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return tuple(f"model.config.{n}" for n in names if getattr(text, n, None) == size)
-
-
-def _head_counts(config, tp: int) -> list[Violation]:
-    if config is None:
-        return []
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    bad = []
-    for attr in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(text, attr, None)
-        if isinstance(heads, int) and heads % tp:
-            bad.append(Violation(
-                "tp-heads", (f"model.config.{attr}", "plugins.tp.size"),
-                f"{attr} = {heads} is not divisible by tp = {tp}: every rank needs whole heads",
-                hint=f"choose tp among the divisors of {heads}",
-            ))
-    return bad
 
 
 def _tied(model: nn.Module, matched: dict[str, str]) -> list[Violation]:
@@ -419,7 +409,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                 gathered += tokens * m.out_features * act
         elif style == "mla_kv_a_proj":
             n_rope += 1
-            rope += tokens * styles.rope_width(model.config) * act
+            rope += tokens * _config.rope_width(model.config) * act
         elif style == "replicated_with_grad_allreduce" and ctx.layout.dp * ctx.layout.cp > 1:
             for p in m.parameters():
                 n_grads += 1

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ...core.blocks import input_embeddings
 from ...core.values import TPLayout
 from .._shared import KeepFrozenSequenceParallel, SharedInput
+from ._config import rope_width
 from .._shared import takes_module_input  # noqa: F401 - tp's count of its collectives reads it
 
 LINEAR = (nn.Linear,)
@@ -125,13 +126,6 @@ def model_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
             plan = {name: "embedding_rowwise", **plan}
             origin[name] = "the input embedding (vocabulary-parallel, as transformers shards it)"
     return plan, origin
-
-
-def rope_width(config) -> int | None:
-    """The width of MLA's rope key (``qk_rope_head_dim``, transformers' name) in ``config``."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    width = getattr(text, "qk_rope_head_dim", None)
-    return width if isinstance(width, int) and not isinstance(width, bool) else None
 
 
 def torch_style(
