@@ -61,6 +61,25 @@ def test_the_graph_the_toml_forms_compile_to_is_the_one_the_text_names():
     assert eval(said.group(1), {"sg": sg}).compile(world_size=8) == plan
 
 
+def test_the_tp_section_has_a_row_for_every_style_and_every_rule():
+    """tp's style names (``STYLE_NAMES``) and its rules (every ``"tp-..."`` string in its
+    package) each have a row in the README's tables, and no row names anything else."""
+    import ast
+
+    from shardgraph.parallelisms import tp
+
+    assert "### Tensor parallelism" in README, "the README has a section on tp's plan"
+    section = README.split("### Tensor parallelism", 1)[1].split("\n#", 1)[0]
+    rows = {name for line in section.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([^`]+)`", line.split("|")[1])}
+    rules = {node.value for path in Path(tp.__file__).parent.glob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and re.fullmatch(r"tp-[a-z-]+", node.value)}
+    assert {"tp-heads", "tp-unsummed-grad"} <= rules
+    assert rows == set(tp.STYLE_NAMES) | rules
+
+
 def test_the_pipeline_keys_block_is_a_valid_pipeline_file():
     from shardgraph.train.config import loads_pipeline
 
