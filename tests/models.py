@@ -34,6 +34,20 @@ def tiny_qwen3(layers: int = 2, seed: int = 0, **overrides) -> nn.Module:
     return Qwen3ForCausalLM(Qwen3Config(**config))
 
 
+def tiny_moe_shared_expert() -> nn.Module:
+    """Qwen2-MoE: the MLP feeds its input to a replicated router and experts as well as to the
+    shared expert tp splits (under sp the MLP runs whole: the shared expert's output meets the
+    experts' inside it)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        attn_implementation="sdpa", use_cache=False))
+
+
 def tiny_mla() -> nn.Module:
     """DeepSeek-V3's attention (MLA): q and kv come through replicated low-rank projections and
     norms before the colwise ones, and a rope key split off kv_a_proj_with_mqa's output goes to

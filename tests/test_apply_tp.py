@@ -33,6 +33,7 @@ from tests.models import (
     sgd_step,
     tiny_llama,
     tiny_mla,
+    tiny_moe_shared_expert,
     tiny_qwen3,
 )
 
@@ -101,20 +102,6 @@ def custom_step(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> floa
     loss.backward()
     opt.step()
     return loss.item()
-
-
-def tiny_moe_shared_expert() -> nn.Module:
-    """Qwen2-MoE: the MLP feeds its input to a replicated router and experts as well as to the
-    shared expert tp splits (under sp the MLP runs whole: the shared expert's output meets the
-    experts' inside it)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(0)
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        attn_implementation="sdpa", use_cache=False))
 
 
 SHARED_EXPERT_PLAN = {f"model.layers.*.{m}": style for m, style in (

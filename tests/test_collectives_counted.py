@@ -79,8 +79,7 @@ def run_cases(rank: int, world: int) -> dict:
     from shardgraph.graphs.runtime import shift_labels
     from shardgraph.train.config import loads_pipeline
     from shardgraph.train.dryrun import collectives
-    from tests.models import batch, tiny_llama, tiny_mla, tiny_qwen3
-    from tests.test_apply_tp import tiny_moe_shared_expert
+    from tests.models import batch, tiny_llama, tiny_mla, tiny_moe_shared_expert, tiny_qwen3
 
     out = {}
     for name, (model, plan_text) in CASES[world].items():
