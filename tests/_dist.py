@@ -1,9 +1,12 @@
-"""Run a function on a real gloo process group of N CPU processes, with a hard timeout."""
+"""Run a function on a real gloo process group of N CPU processes, with a hard timeout; run a
+``shardgraph`` command in this process, its workers forked from the same server."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -84,3 +87,43 @@ def run(fn, world_size: int, *args, timeout: float = 240.0,
             detail = "\n".join(f"--- {e.stem} ---\n{e.read_text()}" for e in errors)
             raise RuntimeError(f"{exc}\n{detail}") from None
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def command(*args, timeout: float = 240.0, env: dict[str, str] | None = None) -> int:
+    """``shardgraph ARGS`` in this process, as the command line runs it (its exit code), with
+    ``env`` added to the environment its workers take, within ``timeout`` seconds: past it a
+    ``TimeoutError`` ends the launch, whose agent stops every worker as it does on any error.
+
+    The workers fork from this session's fork server, whose imports every launch shares: a
+    ``python -m shardgraph.train`` of its own imports torch and transformers in the launcher and
+    again in its server, ~20 s of CPU before a tiny model's first step on two cores. What the
+    workers print goes to the server's output, not to this process's: tests read the metrics
+    file, and the entry point's own output is tested by runs of the command line
+    (tests/test_readme.py, tests/test_failwell.py)."""
+    from shardgraph.cli import main
+
+    def expire(signum, frame):
+        raise TimeoutError(f"shardgraph {' '.join(map(str, args))} exceeded {timeout}s")
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        with _environ(env or {}):
+            return main([str(a) for a in args])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
