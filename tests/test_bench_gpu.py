@@ -9,6 +9,7 @@ device of capability >= 8.9) is a table line naming the reason, not a crash.
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_gpu_benchmark_rows_run_and_a_row_that_cannot_says_why(tmp_path):
+def refused(script: str, argv: list[str], capsys, monkeypatch) -> str:
+    """``python bench/SCRIPT ARGV``'s refusal, run in this process (a process of its own would
+    import torch again for a line): its stderr, after checking it exits with 2."""
+    main = runpy.run_path(str(ROOT / "bench" / script), run_name="bench")["main"]
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's error
+        code = exc.code
+    assert code == 2
+    return capsys.readouterr().err
+
+
+def test_the_gpu_benchmark_rows_run_and_a_row_that_cannot_says_why(tmp_path, capsys,
+                                                                   monkeypatch):
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_mfu.py"), "--device", "cpu", "--tiny",
          "--rows", "base,float8_tensorwise", "--steps", "1", "--warmup", "1",
@@ -31,12 +46,11 @@ def test_the_gpu_benchmark_rows_run_and_a_row_that_cannot_says_why(tmp_path):
     assert "1.00x" in table["base"]
     assert "float8 matmuls need a CUDA device" in table["float8_tensorwise"]
     # a GPU-only benchmark refuses a CPU run at full size instead of building 1.24B params
-    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_mfu.py"), "--device",
-                              "cpu"], capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "--tiny" in refused.stderr
+    assert "--tiny" in refused("gpu_mfu.py", ["--device", "cpu"], capsys, monkeypatch)
 
 
-def test_the_attention_share_benchmark_runs_and_a_backend_that_cannot_says_why(tmp_path):
+def test_the_attention_share_benchmark_runs_and_a_backend_that_cannot_says_why(
+        tmp_path, capsys, monkeypatch):
     """``bench/gpu_attention.py`` (the first part of ``bench/gpu.sh``): on CPU with tiny shapes,
     a line per sequence length and SDPA backend, torch's default pick timed, and a backend this
     machine lacks (cuDNN on CPU) a line naming why; at full size on CPU it refuses."""
@@ -52,6 +66,4 @@ def test_the_attention_share_benchmark_runs_and_a_backend_that_cannot_says_why(t
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in default), default
     assert any(r[2] == "n/a" and r[4] for r in rows if r[1] == "CUDNN_ATTENTION"), out.stdout
     assert "the planner's attention shares" in out.stdout
-    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_attention.py"),
-                              "--device", "cpu"], capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "--tiny" in refused.stderr
+    assert "--tiny" in refused("gpu_attention.py", ["--device", "cpu"], capsys, monkeypatch)
