@@ -27,6 +27,7 @@ from shardgraph.core.errors import PlanError
 from shardgraph.train import checkpoint as ckpt
 from shardgraph.train import loads_pipeline, train
 from shardgraph.train.preflight import checkpoint_dir
+from tests import _dist
 
 PIPELINE = """
 [model.config]
@@ -514,7 +515,7 @@ def test_workers_take_the_launchers_environment_at_launch_not_the_fork_servers(
     launch.start()
     monkeypatch.setenv(ckpt.FAULT_ENV, "raise-in-step:1:1")
     path = write(tmp_path / "p.toml", pipeline_text(tmp_path / "ck", steps=2))
-    assert main(["train", str(path), "--nproc", "2"]) == 1
+    assert _dist.command("train", path, "--nproc", 2) == 1
     err = capsys.readouterr().err
     assert "shardgraph train: rank 1 failed: RuntimeError: injected failure after step 1 on " \
         "rank 1" in err, err

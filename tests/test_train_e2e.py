@@ -230,8 +230,7 @@ def test_checkpoint_reshards_bit_identically(runs):
     assert one.keys() == exported.keys()
     assert all(torch.equal(one[k], exported[k]) for k in one)
     # sharded over two processes: each loads and writes its half, nothing is gathered
-    assert main(["export", str(tmp / "w4.toml"), str(saved), str(tmp / "hf_w2"),
-                 "--nproc", "2"]) == 0
+    assert _dist.command("export", tmp / "w4.toml", saved, tmp / "hf_w2", "--nproc", 2) == 0
     two = load_file(str(tmp / "hf_w2" / "model.safetensors"))
     assert two.keys() == exported.keys() and all(torch.equal(two[k], exported[k]) for k in two)
 
@@ -278,8 +277,8 @@ def test_export_refuses_before_launch_and_a_failing_rank_ends_it_once(runs, tmp_
     data = bytearray(shard.read_bytes())
     data[:64] = bytes(64)
     shard.write_bytes(bytes(data))
-    assert main(["export", str(tmp / "w4.toml"), str(damaged), str(tmp_path / "out"),
-                 "--nproc", "2"]) in (1, 2)
+    assert _dist.command("export", tmp / "w4.toml", damaged, tmp_path / "out",
+                         "--nproc", 2) in (1, 2)
     err = capsys.readouterr().err
     assert "shardgraph export: rank" in err and err.count("shardgraph export:") == 1, err
 
