@@ -1,10 +1,6 @@
 """What tp reads from a transformers config (the text model's, whose values may differ by
-layer), and the checks on it: every layer's head counts divide by tp.
-
-A config with ``per_layer_config`` (transformers' heterogeneous configs: Gemma 4's
-``num_global_key_value_heads``, dots3's and Step 3.5's sliding-window layers with heads of their
-own, EmbeddingGemma 2) raises ``AmbiguousGlobalPerLayerAttributeError`` when such a value is
-read from the whole config: each layer's is read from ``config.per_layer_config[i]`` instead.
+layer: read through ``core.model_config``), and the checks on it: every layer's head counts
+divide by tp.
 """
 
 from __future__ import annotations
@@ -13,62 +9,10 @@ import math
 from typing import Any
 
 from ...core.errors import Violation
+from ...core.model_config import layer_key, layer_values, name_layers, text_config
 
-
-def text_config(config):
-    """The text model's config (``get_text_config``); the decoder's where a config holds several
-    (MusicGen's text encoder and decoder), else ``config`` itself."""
-    get = getattr(config, "get_text_config", None)
-    if get is None:
-        return config
-    for kwargs in ({}, {"decoder": True}):
-        try:
-            return get(**kwargs)
-        except ValueError:  # several text configs: ambiguous without ``decoder=True``
-            continue
-    return config
-
-
-def layer_values(config, attr: str) -> list[tuple[Any, list[int] | None]]:
-    """``attr``'s values in ``config``: ``[(value, None)]`` where every layer has
-    ``config.<attr>``, ``[(value, [layer indices]), ...]`` where the value differs by layer,
-    ``[]`` where the config has no such attribute (or it is ``None``). A config whose values
-    cannot be read raises: the caller says so in a violation, never a crash."""
-    if attr not in (getattr(config, "per_layer_attributes", None) or ()):
-        value = getattr(config, attr, None)
-        return [] if value is None else [(value, None)]
-    values: list[tuple[Any, list[int] | None]] = []
-    for i in range(len(config.per_layer_config)):
-        value = getattr(config.per_layer_config[i], attr, None)
-        if value is None:
-            continue
-        layers = next((ls for v, ls in values if v == value), None)
-        if layers is None:
-            values.append((value, [i]))
-        else:
-            layers.append(i)
-    return values
-
-
-def layer_key(attr: str, layers: list[int] | None) -> str:
-    """The key naming ``attr`` in a model's config: ``model.config.<attr>``, or the first layer's
-    ``model.config.per_layer_config[i].<attr>`` where the value differs by layer."""
-    return f"model.config.{attr}" if layers is None else \
-        f"model.config.per_layer_config[{layers[0]}].{attr}"
-
-
-def name_layers(layers: list[int], most: int = 6) -> str:
-    """``layers 0-1, 4-5, 8`` (runs of consecutive indices; past ``most`` runs, a count)."""
-    runs: list[list[int]] = []
-    for i in sorted(layers):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:most])
-    if len(runs) > most:
-        text += f", ... ({len(layers)} layers in all)"
-    return f"layer{'s' if len(layers) > 1 else ''} {text}"
+__all__ = ["config_keys", "head_counts", "layer_key", "name_layers", "rope_width", "rope_widths",
+           "text_config"]
 
 
 def rope_width(config) -> int | None:
