@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import _get_registry
+from transformers import PreTrainedConfig
 
 from shardgraph import Graph, MeshContext, PlanError
 from shardgraph.parallelisms.cp import shard_batch
@@ -202,3 +203,91 @@ def test_shard_batch_leaves_a_batch_alone_without_cp():
     tokens = torch.ones(1, 6, dtype=torch.long)
     assert shard_batch({"input_ids": tokens, "labels": tokens}, None) == {
         "input_ids": tokens, "labels": tokens}
+
+
+# -- configs whose attention settings differ by layer (transformers' per_layer_config) ----------
+
+def tiny_gemma4(layer_types=("sliding_attention", "full_attention"), **config) -> nn.Module:
+    """Gemma 4 keeps its full-attention layers' head size and key/value head count in
+    ``config.per_layer_config``; reading such a value from the whole config raises
+    ``AmbiguousGlobalPerLayerAttributeError`` (so do NeoMME's sliding windows)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    values = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=len(layer_types), num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, global_head_dim=16,
+                  num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                  layer_types=list(layer_types), hidden_size_per_layer_input=0,
+                  attn_implementation="sdpa", use_cache=False)
+    return Gemma4ForCausalLM(Gemma4TextConfig(**{**values, **config}))
+
+
+def test_sliding_windows_that_differ_by_layer_are_each_named():
+    """NeoMME's sliding layers alternate a short and a long window, its full layers have none:
+    ``config.sliding_window`` cannot be read, each layer's is named."""
+    from transformers import NeoMMEConfig, NeoMMEForMaskedLM
+
+    model = NeoMMEForMaskedLM(NeoMMEConfig(
+        vocab_size=128, embedding_rank=16, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=8))
+    assert model.config.per_layer_attributes == {"sliding_window"}
+    err = _rejected(model, Graph().add("cp", size=2).add("fsdp2"))
+    assert err.rule == "cp-attention" and err.plugin == "cp"
+    assert err.keys == ("model.config.per_layer_config[0].sliding_window", "plugins.cp")
+    assert "8 tokens in layer 0, 1024 tokens in layer 1" in str(err)
+    assert "config.per_layer_config[i].sliding_window = None" in str(err)
+
+
+@pytest.mark.parametrize(("types", "refused"), [
+    (["full_attention", "full_attention"], False),  # a full-attention layer ignores its window
+    (["full_attention", "sliding_attention"], True),
+])
+def test_only_sliding_layers_windows_count(types, refused):
+    model = tiny_llama()
+    model.config = PreTrainedConfig(num_hidden_layers=2, sliding_window=8, layer_types=types,
+                                    per_layer_config={0: {"sliding_window": 16}})
+    assert model.config.per_layer_attributes == {"sliding_window"}
+    graph = Graph().add("cp", size=2).add("fsdp2")
+    if refused:
+        err = _rejected(model, graph)
+        assert err.keys == ("model.config.per_layer_config[1].sliding_window", "plugins.cp")
+        assert "8 tokens in layer 1)" in str(err)
+    else:
+        plan = graph.compile(world_size=2)
+        plan.check_model(model, MeshContext(plan.layout, "cpu"))  # no error
+
+
+class _ComputedWindow(PreTrainedConfig):
+    """A config whose own code cannot give its window (as remote code may fail)."""
+
+    @property
+    def sliding_window(self):
+        raise RuntimeError("computed when the checkpoint loads")
+
+
+def test_a_window_that_cannot_be_read_is_said_so():
+    model = tiny_llama()
+    model.config = _ComputedWindow(num_attention_heads=4)
+    err = _rejected(model, Graph().add("cp", size=2).add("fsdp2"))
+    assert err.rule == "cp-attention"
+    assert err.keys == ("model.config.sliding_window", "plugins.cp")
+    assert "cannot be read from _ComputedWindow" in str(err) and "is not known" in str(err)
+
+
+def test_kv_gathers_count_each_layers_own_width():
+    """Gemma 4's full-attention layer has 1 key/value head of 32 here, its sliding layer 2 of
+    16: each layer's K and V are gathered at its own width."""
+    from shardgraph.core.values import BatchShape
+    from shardgraph.parallelisms.cp import PLUGIN, CPOptions
+
+    model = tiny_gemma4(global_head_dim=32)
+    assert model.config.per_layer_attributes == {"head_dim", "num_key_value_heads"}
+    plan = Graph().add("cp", size=2).add("fsdp2").compile(world_size=2)
+    shape = BatchShape(local_batch=1, micro_batches=1, seq_len=4, hidden=64)
+    rows = PLUGIN.collectives(model, CPOptions(size=2), MeshContext(plan.layout, "cpu"), {},
+                              shape)
+    gather = next(r for r in rows if r["op"] == "all_gather")
+    # K and V (2) x 4 tokens x cp 2 x 4 bytes, of widths 2 x 16 (layer 0) and 1 x 32 (layer 1)
+    assert gather["bytes"] == 2 * 4 * 2 * 4 * (2 * 16 + 1 * 32)

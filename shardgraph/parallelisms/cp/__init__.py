@@ -34,6 +34,7 @@ from ...core.axes import Axis
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
+from ...core.model_config import layer_key, name_layers, read_layer_values, text_config, value_at
 from ...core.values import BatchShape, collective
 from ...plugins import Kind, Plugin
 
@@ -111,27 +112,67 @@ def _model_check(model: nn.Module, options: CPOptions, ctx: MeshContext) -> list
             hint="use a transformers model that supports attn_implementation, or remove cp",
             plugin="cp",
         )]
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    bad = []
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None)
-    if window is not None and (layer_types is None or "sliding_attention" in layer_types):
-        bad.append(Violation(
-            "cp-attention", ("model.config.sliding_window", "plugins.cp"),
-            f"the model's attention uses a sliding window of {window} tokens; cp's attention is "
-            "full causal attention and would attend past the window",
-            hint="set config.sliding_window = None (and use_sliding_window = False) when "
-            "sequences are no longer than the window, or remove cp",
-            plugin="cp",
-        ))
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    if softcap is not None:
-        bad.append(Violation(
-            "cp-attention", ("model.config.attn_logit_softcapping", "plugins.cp"),
-            f"the model soft-caps attention logits (attn_logit_softcapping = {softcap}), which "
-            "cp's attention does not", hint="remove cp", plugin="cp",
-        ))
-    return bad
+    return _windows(config) + _softcaps(config)
+
+
+def _unreadable(attr: str, config, what: str, hint: str) -> Violation:
+    return Violation(
+        "cp-attention", (f"model.config.{attr}", "plugins.cp"),
+        f"{attr} cannot be read from {type(text_config(config)).__name__}, so whether {what} "
+        "is not known", hint=hint, plugin="cp")
+
+
+def _windows(config) -> list[Violation]:
+    """cp's attention is full causal attention: no layer that attends through a sliding window
+    (a layer whose ``layer_types`` entry is not ``sliding_attention`` ignores the window)."""
+    fix = ("set config.sliding_window = None (and use_sliding_window = False; per layer: "
+           "config.per_layer_config[i].sliding_window = None) when sequences are no longer than "
+           "the window, or remove cp")
+    values = read_layer_values(config, "sliding_window")
+    types = read_layer_values(config, "layer_types")
+    if values is None or types is None:
+        return [_unreadable("sliding_window" if values is None else "layer_types", config,
+                            "a layer attends through a sliding window (which cp's attention "
+                            "cannot)", fix)]
+    kinds = types[0][0] if types and types[0][1] is None else None
+    windowed = []
+    for window, layers in values:
+        if layers is None and (kinds is None or "sliding_attention" in kinds):
+            windowed.append((window, None))
+            continue
+        sliding = [i for i in (layers if layers is not None else range(len(kinds)))
+                   if kinds is None or (i < len(kinds) and kinds[i] == "sliding_attention")]
+        if sliding:
+            windowed.append((window, sliding))
+    if not windowed:
+        return []
+    if windowed[0][1] is None:
+        key, where = "model.config.sliding_window", f"a sliding window of {windowed[0][0]} tokens"
+    else:
+        key = layer_key("sliding_window", windowed[0][1])
+        where = "sliding windows (config.per_layer_config: " + ", ".join(
+            f"{w} tokens in {name_layers(ls)}" for w, ls in windowed) + ")"
+    return [Violation(
+        "cp-attention", (key, "plugins.cp"),
+        f"the model's attention uses {where}; cp's attention is full causal attention and would "
+        "attend past the window", hint=fix, plugin="cp")]
+
+
+def _softcaps(config) -> list[Violation]:
+    values = read_layer_values(config, "attn_logit_softcapping")
+    if values is None:
+        return [_unreadable("attn_logit_softcapping", config,
+                            "attention logits are soft-capped (which cp's attention does not)",
+                            "make config.attn_logit_softcapping readable, or remove cp")]
+    if not values:
+        return []
+    where = f"attn_logit_softcapping = {values[0][0]}" if values[0][1] is None else \
+        "attn_logit_softcapping = " + ", ".join(
+            f"{c} in {name_layers(ls)}" for c, ls in values) + " (config.per_layer_config)"
+    return [Violation(
+        "cp-attention", (layer_key("attn_logit_softcapping", values[0][1]), "plugins.cp"),
+        f"the model soft-caps attention logits ({where}), which cp's attention does not",
+        hint="remove cp", plugin="cp")]
 
 
 def _apply(model: nn.Module, options: CPOptions, ctx: MeshContext, inputs: dict[str, Any]):
@@ -226,25 +267,39 @@ def _collectives(model: nn.Module, options: CPOptions, ctx: MeshContext, inputs:
     block recomputes) and reduce-scatters their gradients in backward. (The model's own loss,
     which the training step does not ask for, is summed over cp: not listed.)"""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", 0) or 1
-    head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    # K and V as attention sees them: this rank's heads (tp shards them), the whole sequence
-    width = kv_heads * head_dim // ctx.layout.tp
     modules = dict(model.named_modules())
     layers = [fqn for fqn, m in modules.items() if hasattr(m, "is_causal")
               and hasattr(m, "layer_idx")]
     recompute = inputs.get("activation_checkpointing")
-    again = sum(recompute.region(modules, fqn) is not None
-                for fqn in layers) if recompute is not None else 0
-    one = 2 * batch.tokens * ctx.layout.cp * width * batch.act_bytes  # K and V of a layer
+    redone = [fqn for fqn in layers
+              if recompute is not None and recompute.region(modules, fqn) is not None]
+    # K and V as attention sees them: this rank's heads (tp shards them), the whole sequence;
+    # their width may differ by layer (Gemma 4's full-attention layers)
+    widths = {fqn: _kv_width(config, getattr(modules[fqn], "layer_idx", None)) // ctx.layout.tp
+              for fqn in layers}
+    again = sum(widths[fqn] for fqn in redone)
+    one = 2 * batch.tokens * ctx.layout.cp * batch.act_bytes  # K and V, per unit of width
     mb = batch.micro_batches
-    return (collective("all_gather", "cp", 2 * (len(layers) + again) * mb,
-                       (len(layers) + again) * one, "attention K and V (forward"
-                       + (", again where a checkpointed block recomputes)" if again else ")"))
-            + collective("reduce_scatter", "cp", 2 * len(layers) * mb, len(layers) * one,
+    every = sum(widths.values())
+    return (collective("all_gather", "cp", 2 * (len(layers) + len(redone)) * mb,
+                       (every + again) * one, "attention K and V (forward"
+                       + (", again where a checkpointed block recomputes)" if redone else ")"))
+            + collective("reduce_scatter", "cp", 2 * len(layers) * mb, every * one,
                          "attention K and V gradients (backward)"))
+
+
+def _kv_width(config, layer: int | None) -> int:
+    """Layer ``layer``'s key (or value) width, ``num_key_value_heads x head_dim`` (transformers'
+    defaults: every head a key/value head, ``hidden_size / num_attention_heads`` wide); a value
+    that cannot be read counts as its default, since an estimate is no reason to fail."""
+    def read(attr: str, default):
+        value = value_at(read_layer_values(config, attr) or [], layer)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+            else default
+
+    heads = read("num_attention_heads", 1)
+    return read("num_key_value_heads", heads) * read(
+        "head_dim", read("hidden_size", 0) // heads)
 
 
 def _cost(options: CPOptions, layout) -> Cost:
