@@ -174,3 +174,42 @@ optimizer = "adamw"
     plain, chunked = activations(""), activations("[plugins.chunked_loss]\nchunk_size = 1024\n")
     logits = 8 * 8192 * 128256 * (2 * 2 + 8)  # bf16 logits, fp32 log-softmax and gradient
     assert plain - chunked == pytest.approx(logits * (1 - 1024 / (8 * 8192)), rel=1e-6)
+
+
+@pytest.mark.parametrize(("per_layer", "refused"), [
+    ({1: {"final_logit_softcapping": 30.0}}, "changes its logits after the LM head"),
+    ({1: {"final_logit_softcapping": 1.0}}, None),  # a factor of 1 leaves the logits
+])
+def test_post_head_settings_that_differ_by_layer_are_each_read(per_layer, refused):
+    """transformers' ``per_layer_config``: reading such a value from the whole config raises
+    ``AmbiguousGlobalPerLayerAttributeError``; every layer's is read instead."""
+    from transformers import PreTrainedConfig
+
+    plan = Graph().add("chunked_loss").compile(world_size=1)
+    model = tiny_llama()
+    model.config = PreTrainedConfig(num_hidden_layers=2, final_logit_softcapping=None,
+                                    per_layer_config=per_layer)
+    assert model.config.per_layer_attributes == {"final_logit_softcapping"}
+    if refused is None:
+        plan.check_model(model, plan.build_mesh("cpu"))  # no error
+        return
+    with pytest.raises(PlanError, match=refused) as info:
+        plan.apply(model, plan.build_mesh("cpu"))
+    assert info.value.key == "model.config.final_logit_softcapping"
+    assert model.lm_head.forward.__func__ is torch.nn.Linear.forward  # nothing was changed
+
+
+def test_a_post_head_setting_that_cannot_be_read_is_said_so():
+    from transformers import PreTrainedConfig
+
+    class Computed(PreTrainedConfig):
+        @property
+        def logit_scale(self):
+            raise RuntimeError("computed when the checkpoint loads")
+
+    plan = Graph().add("chunked_loss").compile(world_size=1)
+    model = tiny_llama()
+    model.config = Computed()
+    with pytest.raises(PlanError, match="cannot be read from LlamaForCausalLM's config") as info:
+        plan.apply(model, plan.build_mesh("cpu"))
+    assert info.value.key == "model.config.logit_scale" and info.value.rule == "chunked-loss-head"

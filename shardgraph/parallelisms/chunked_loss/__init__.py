@@ -25,6 +25,7 @@ from ...core.blocks import output_embeddings
 from ...core.costs import Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
+from ...core.model_config import read_layer_values
 from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -66,8 +67,16 @@ def _model_check(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext
             hint="use a causal LM whose get_output_embeddings() is an nn.Linear, or remove "
                  "chunked_loss")]
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    changed = [f for f in _POST_HEAD if getattr(text, f, None) not in (None, 1, 1.0)]
+    values = {f: read_layer_values(config, f) for f in _POST_HEAD}  # per layer where they differ
+    unread = [f for f, vs in values.items() if vs is None]
+    if unread:
+        return [Violation(
+            "chunked-loss-head", tuple(f"model.config.{f}" for f in unread),
+            f"{', '.join(unread)} cannot be read from {name}'s config, so whether it changes its "
+            "logits after the LM head (which chunked_loss would not) is not known",
+            hint=f"make config.{unread[0]} readable (a number, 1 or None where the logits stay "
+                 "as the head gives them), or remove chunked_loss for this model")]
+    changed = [f for f, vs in values.items() if any(v not in (1, 1.0) for v, _ in vs)]
     if changed:
         return [Violation(
             "chunked-loss-head", tuple(f"model.config.{f}" for f in changed),
