@@ -345,3 +345,25 @@ def test_the_strategys_cpu_offload_reaches_the_experts_unit(world2):
     assert all(r["ep2_offload"]["experts_offloaded"] for r in world2)
     assert not any(r["ep2"]["experts_offloaded"] for r in world2)
     assert world2[0]["ep2_offload"]["steps"] == ["ep", "fsdp2"]
+
+
+def test_dispatch_counts_each_layers_own_top_k():
+    """transformers' ``per_layer_config`` may give a layer its own ``num_experts_per_tok``
+    (dots3's vision MoE does); reading it from the whole config raises
+    ``AmbiguousGlobalPerLayerAttributeError``: each MoE layer's tokens go to its own top_k."""
+    from transformers import Qwen3MoeConfig
+
+    from shardgraph.core.values import BatchShape
+    from shardgraph.parallelisms.ep import PLUGIN, EPOptions
+
+    model = tiny_qwen3_moe(4)
+    model.config = Qwen3MoeConfig(**{**model.config.to_dict(), "per_layer_config": {
+        i: {"num_experts_per_tok": 1} for i in range(1, LAYERS)}})
+    assert model.config.per_layer_attributes == {"num_experts_per_tok"}
+    plan = Graph().add("ep", size=2).add("fsdp2").compile(world_size=2)
+    shape = BatchShape(local_batch=1, micro_batches=1, seq_len=4, hidden=HIDDEN)
+    rows = PLUGIN.collectives(model, EPOptions(size=2), MeshContext(plan.layout, "cpu"), {},
+                              shape)
+    # dispatch and combine, forward and backward (4) x 4 tokens x hidden x 4 bytes, of 2 tokens
+    # routed in layer 0 and 1 in every other layer
+    assert rows[0]["bytes"] == 4 * 4 * HIDDEN * 4 * (2 + (LAYERS - 1))

@@ -21,6 +21,7 @@ import attrs
 from ...core.axes import Axis
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation
+from ...core.model_config import read_layer_values, value_at
 from ...core.values import BatchShape, Recomputation, ShardUnit, collective
 from ...plugins import Kind, Plugin
 
@@ -130,11 +131,20 @@ def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs:
                  batch: BatchShape) -> list[dict[str, Any]]:
     from ._layers import moe_layers
 
-    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
-    layers = len(moe_layers(model))
-    return collective("all_to_all", "ep", 4 * layers * batch.micro_batches,
-                      4 * layers * batch.tokens * top_k * batch.hidden
+    # top_k may differ by layer (transformers' per_layer_config); one that cannot be read
+    # counts as 1, since an estimate is no reason to fail
+    top_k = read_layer_values(getattr(model, "config", None), "num_experts_per_tok") or []
+    layers = moe_layers(model)
+    routed = sum(value_at(top_k, _layer_index(layer.fqn), 1) for layer in layers)
+    return collective("all_to_all", "ep", 4 * len(layers) * batch.micro_batches,
+                      4 * batch.tokens * routed * batch.hidden
                       * batch.act_bytes, "MoE dispatch and combine, forward and backward")
+
+
+def _layer_index(fqn: str) -> int | None:
+    """The decoder layer of an experts module: the first index in its name
+    (``model.layers.3.mlp.experts``: 3)."""
+    return next((int(part) for part in fqn.split(".") if part.isdigit()), None)
 
 
 def _cost(options, layout) -> Cost:
