@@ -131,3 +131,40 @@ def test_a_pipelines_accumulation_is_one_pass_for_the_strategys_collectives():
             for t in (text, text.replace("lr = 0.003", "lr = 0.003\nmicro_batch_size = 2"))]
     assert rows[0] == rows[1], rows
     assert rows[0][("send/recv", "pp")] == 2 * 2  # local batch 4, microbatches of 2
+
+
+GEMMA4 = """
+[model]
+architecture = "Gemma4ForCausalLM"
+[model.config]
+vocab_size = 128
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 16
+global_head_dim = 32
+num_global_key_value_heads = 1
+attention_k_eq_v = true
+layer_types = ["full_attention", "full_attention"]
+hidden_size_per_layer_input = 0
+[data]
+seq_len = 8
+[train]
+global_batch_size = 4
+[plugins.cp]
+size = 2
+[plugins.chunked_loss]
+[plugins.fsdp2]
+"""
+
+
+def test_a_config_whose_attention_differs_by_layer_is_measured():
+    """Gemma 4 keeps its full-attention layers' head_dim and key/value heads in
+    ``config.per_layer_config`` (``config.head_dim`` raises): cp's and chunked_loss's checks and
+    cp's count of K/V bytes read them per layer."""
+    report = dryrun(loads_pipeline(GEMMA4), world_size=4)
+    gathers = [c for c in report["collectives"] if c["group"] == "cp"]
+    # 2 sequences of 4 local tokens, K and V over cp 2, 4 bytes, 2 layers of 1 head of 32
+    assert [c["bytes"] for c in gathers] == [2 * 2 * 4 * 2 * 4 * 2 * 32] * 2
