@@ -9,10 +9,11 @@ tiny Qwen3-MoE (4 experts) built from the same seed on every rank.
 The reference is written with plain torch: the token-weighted mean cross-entropy of the global
 batch, micro-batches accumulated, ``clip_grad_norm_``, ``AdamW.step``. Under fsdp2, hsdp, ddp,
 tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp, with cp),
-ep x dp, pp with tied input and output embeddings (1F1B at pp 4, interleaved x dp, zero bubble x
-dp, pp x tp), and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile
-(aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, tp, tp + sp + selective, cp + selective,
-pp, ep + full),
+ep x dp, DeepSeek-V3's attention (MLA) under its own tp plan with sp x dp, pp with tied input
+and output embeddings (1F1B at pp 4, interleaved x dp, zero bubble x dp, pp x tp), and with
+selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile (aot_eager,
+under fsdp2 + full checkpointing, hsdp, ddp, tp, tp + sp + selective, cp + selective, pp,
+ep + full),
 and a LoRA model (``lora`` on every linear but the LM head; its one-process reference is the
 same plan at world size 1, trained in plain torch) under fsdp2, tp x fsdp2, tp + sp, pp x dp, cp,
 and the MoE model's under ep x dp:
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from shardgraph import Graph
 from tests import _dist
-from tests.models import VOCAB, full, tiny_llama
+from tests.models import VOCAB, full, tiny_llama, tiny_mla
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,6 +71,8 @@ def lora() -> Graph:
 def build(kind: str):
     if kind == "tied":  # input embedding and LM head share one weight, as in Llama 3.2 1B
         return tiny_llama(layers=4, tie_word_embeddings=True)
+    if kind == "mla":  # DeepSeek-V3's attention: a rope key every head reads
+        return tiny_mla()
     model = tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4)
     if kind.endswith("lora"):  # the adapters as lora draws them, in one process
         plan = lora().compile(world_size=1)
@@ -155,6 +158,8 @@ LAYOUTS = {
     "lora_cp2_fsdp2": ("lora", lambda: lora().add("cp", size=2).add("fsdp2"), 2),
     # every linear of the MoE model but its fused experts and router: the attention's
     "lora_ep2_fsdp2": ("moe_lora", lambda: lora().add("ep", size=2).add("fsdp2"), 1),
+    # MLA under DeepSeek's own tp plan: the rope key's gradient summed over tp (mla_kv_a_proj)
+    "mla_tp2_sp_fsdp2": ("mla", lambda: Graph().add("tp", size=2).add("sp").add("fsdp2"), 2),
     # tied embeddings: the first and last stage sum the shared weight's gradients
     "tied_pp4_1f1b": ("tied", lambda: Graph().add("pp", size=4), 2),
     "tied_pp2_interleaved_fsdp2": ("tied", lambda: Graph().add(
@@ -211,7 +216,8 @@ def _run(name: str, world: int) -> dict:
 
     kind, graph, micro = LAYOUTS[name]
     model = tiny_llama(layers=4, tie_word_embeddings=True) if kind == "tied" else (
-        tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4))
+        tiny_mla() if kind == "mla" else tiny_moe() if kind.startswith("moe")
+        else tiny_llama(layers=4))
     plan = graph().compile(world_size=world)
     compiled = plan.step("compile") is not None
     if compiled:
