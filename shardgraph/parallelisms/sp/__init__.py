@@ -256,8 +256,7 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
 
 
 def _rowwise_inside(path: str, tp: TPLayout, modules: dict[str, nn.Module]) -> list[nn.Module]:
-    return [modules[p] for p, style in tp.matched.items()
-            if p.startswith(path + ".") and style in ("rowwise", "rowwise_rep")]
+    return [modules[p] for p in tp.rowwise() if p.startswith(path + ".")]
 
 
 def _cost(options, layout) -> Cost:

@@ -39,8 +39,8 @@ from ...core.costs import Comm, Cost
 from ...core.errors import Violation, choices_hint, did_you_mean
 from ...core.lazy import lazy_module
 from ...core.blocks import output_embeddings
-from ...core.values import (COLWISE_STYLES, Applied, BatchShape, Recomputation, TPLayout,
-                             collective)
+from ...core.values import (COLWISE_STYLES, ROWWISE_STYLES, Applied, BatchShape, Recomputation,
+                             TPLayout, collective)
 from ...plugins import Kind, Plugin
 from . import _config
 
@@ -388,7 +388,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     again = _recomputed_rowwise(resolved, modules, inputs.get("activation_checkpointing"))
     for fqn, style in resolved.matched.items():
         m = modules[fqn]
-        if style in ("rowwise", "rowwise_rep", "embedding_rowwise"):
+        if style in ROWWISE_STYLES:
             times = 2 if fqn in again else 1
             n_row += times
             rowwise += times * tokens * batch.hidden * act
