@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                 continue
             tflops = flops / seconds / 1e12
             print(f"| {seq} | {backend} | {seconds * 1e3:.2f} | {tflops:.3g} | "
-                  f"{tflops / matmul_tflops:.2f} |")
+                  f"{tflops / matmul_tflops:.3g} |")
     return 0
 
 
