@@ -163,6 +163,34 @@ def test_local_config_json_is_read_without_transformers(tmp_path):
         ("Qwen3ForCausalLM", 32, 500, True)
 
 
+def test_a_layer_of_its_own_is_refused_not_priced_as_the_others(tmp_path):
+    """transformers' ``per_layer_config`` gives layers values of their own; the planner prices
+    every layer alike, so a layer whose size differs is refused, named, not estimated wrong."""
+    toml = (MODEL.format(arch="LlamaForCausalLM", extra="", dtype="fp32")
+            + "[model.config.per_layer_config.1]\nintermediate_size = 96\nrms_norm_eps = 1e-5\n"
+            + "[model.config.per_layer_config.0]\nnum_key_value_heads = 1\n")
+    with pytest.raises(PlanError) as err:
+        model_shape(loads_pipeline(toml).model)
+    found = {v.keys[0]: v for v in err.value.violations}
+    assert set(found) == {"model.config.per_layer_config[1].intermediate_size",
+                          "model.config.per_layer_config[0].num_key_value_heads"}
+    assert "layer 1 96" in found["model.config.per_layer_config[1].intermediate_size"].message
+    # a setting the planner does not read, or a layer's value equal to every layer's: priced
+    same = toml.replace("intermediate_size = 96", "intermediate_size = 200").replace(
+        "num_key_value_heads = 1", "num_key_value_heads = 2")
+    assert model_shape(loads_pipeline(same).model).intermediate == 200
+    # a local config.json's own per-layer values are named by model.path
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 500,
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "per_layer_config": {"1": {"head_dim": 16}}}))
+    with pytest.raises(PlanError) as err:
+        model_shape(loads_pipeline(f'[model]\npath = "{tmp_path}"\n[plugins.fsdp2]\n').model)
+    (v,) = err.value.violations
+    assert v.keys == ("model.path",) and "head_dim" in v.message and "config.json" in v.hint
+
+
 @pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["o_proj", "down_proj"]])
 def test_lora_leaves_gradients_and_optimizer_state_to_the_adapters(targets):
     """A LoRA plan is priced with the adapters' share of gradients and AdamW state: as many
