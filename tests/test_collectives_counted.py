@@ -1,9 +1,9 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp and cp
-(with and without full and selective activation checkpointing; Llama, Qwen3 and DeepSeek's MLA;
-the training step's forward and backward of two micro-batches) counted at the dispatcher, group
-by group, call by call and byte by byte, against the rows ``shardgraph dryrun`` prints for the
-same plan (``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the runtime's own
-reductions (token count, loss, gradient norm) are not compared here."""
+(with and without full and selective activation checkpointing; Llama, Qwen3, Qwen2-MoE and
+DeepSeek's MLA; the training step's forward and backward of two micro-batches) counted at the
+dispatcher, group by group, call by call and byte by byte, against the rows ``shardgraph dryrun``
+prints for the same plan (``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the
+runtime's own reductions (token count, loss, gradient norm) are not compared here."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ CASES = {  # name -> (model, plan), world 2 and world 4
                                        '"model.layers.*.mlp.shared_expert.up_proj" = "colwise"\n'
                                        '"model.layers.*.mlp.shared_expert.down_proj" = "rowwise"\n'
                                        "[plugins.sp]\n"),
+        # under AC the shared expert's all-reduce runs again: its output is gated and added
+        # to the routed experts' inside the MoE block, so the recompute does not stop before it
+        "qwen2_moe_shared_expert_ac": ("qwen2_moe", "[plugins.tp]\nsize = 2\n[plugins.tp.plan]\n"
+                                       '"model.layers.*.mlp.shared_expert.gate_proj" = "colwise"\n'
+                                       '"model.layers.*.mlp.shared_expert.up_proj" = "colwise"\n'
+                                       '"model.layers.*.mlp.shared_expert.down_proj" = "rowwise"\n'
+                                       "[plugins.activation_checkpointing]\n"),
+        # its own plan splits attention only (the MoE block has no gate_proj): o_proj is the
+        # block's last rowwise layer, and the MoE block after it makes the recompute run it again
+        "qwen2_moe_own_ac": ("qwen2_moe", "[plugins.tp]\nsize = 2\n"
+                                          "[plugins.activation_checkpointing]\n"),
         # MLA (DeepSeek's own plan): q_b_proj and kv_b_proj sum their own input gradients,
         # the shared rope key's gradient is summed once, recomputed or not
         "mla_tp_ac": ("mla", "[plugins.tp]\nsize = 2\n[plugins.activation_checkpointing]\n"),

@@ -330,8 +330,9 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
 
 def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
                         recompute: Recomputation | None) -> set[str]:
-    """The rowwise layers whose forward a checkpointed block runs again in backward: all but
-    each block's last, whose output no backward reads (torch's checkpoint stops before it)."""
+    """The rowwise layers whose forward a checkpointed block runs again in backward: torch's
+    checkpoint recomputes up to the last tensor backward reads, so every one but each block's
+    last, and that one too unless its output ends the block (``_ends_region``)."""
     if recompute is None:
         return set()
     last: dict[str, str] = {}
@@ -341,7 +342,29 @@ def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
         if region is not None:
             again.add(fqn)
             last[region] = fqn
-    return again - set(last.values())
+    return again - {fqn for region, fqn in last.items() if _ends_region(region, fqn, modules)}
+
+
+def _ends_region(region: str, fqn: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether nothing in the checkpointed ``region`` that backward reads comes after the rowwise
+    layer ``fqn``'s output, read from the module tree: the layer is taken to give its module's
+    output (an attention's o_proj, an MLP's down_proj), and a block's children to run in the
+    order they are registered. It does when its module is the region or a child of the region
+    (whose output the block only adds to the residual stream) that no sublayer follows: no
+    later child with a matrix (a norm holds vectors only). Not when its module sits deeper, in
+    one that goes on with its output (Qwen2-MoE's shared expert, gated and added to the routed
+    experts' output), nor when a sublayer follows (an MoE block the plan leaves whole after
+    attention's o_proj): their computation saves tensors the recompute must rebuild, and the
+    all-reduce runs again. A norm after the sublayer (Gemma's post_feedforward_layernorm)
+    cannot be told from one before it by structure and is not seen."""
+    path = fqn[len(region) + 1:].split(".") if fqn != region else []
+    if len(path) <= 1:
+        return True
+    if len(path) > 2:
+        return False
+    names = [n for n, _ in modules[region].named_children()]
+    later = [modules[f"{region}.{n}"] for n in names[names.index(path[0]) + 1:]]
+    return not any(p.ndim > 1 for m in later for p in m.parameters())
 
 
 def _sharing(matched: dict[str, str], head: str | None,
@@ -369,8 +392,9 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     widths) each alone; a gathered colwise output (the logits unless ``loss_parallel``) is
     all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is
     all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``). A checkpointed
-    block runs its forward's again when it recomputes, up to its last rowwise layer (torch's
-    checkpoint stops at the last tensor backward reads); sp's own gathers are sp's rows. A partial
+    block runs its forward's again when it recomputes, up to the last tensor backward reads
+    (torch's checkpoint stops there): all its rowwise layers' but the last's where that one's
+    output ends the block (``_ends_region``); sp's own gathers are sp's rows. A partial
     gradient is summed by the strategy's reduction in each backward; without a strategy
     (dp * cp = 1) at the optimizer step, not listed."""
     sp = inputs.get("sequence_parallel") is not None
