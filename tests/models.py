@@ -48,18 +48,20 @@ def tiny_moe_shared_expert() -> nn.Module:
         attn_implementation="sdpa", use_cache=False))
 
 
-def tiny_mla() -> nn.Module:
+def tiny_mla(**overrides) -> nn.Module:
     """DeepSeek-V3's attention (MLA): q and kv come through replicated low-rank projections and
     norms before the colwise ones, and a rope key split off kv_a_proj_with_mqa's output goes to
     every head past them. One dense layer."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                  moe_intermediate_size=32, num_hidden_layers=1, first_k_dense_replace=1,
+                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                  attn_implementation="sdpa", use_cache=False)
+    config.update(overrides)
     torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=16, attn_implementation="sdpa", use_cache=False))
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**config))
 
 
 def batch(global_batch: int = 4, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
