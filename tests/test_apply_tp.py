@@ -343,6 +343,70 @@ def test_a_user_plan_that_leaves_a_heads_gradient_unsummed_is_refused(plan, whol
         assert "\"replicate\"" in v.hint
 
 
+def _accepted(model: nn.Module, plan: dict[str, str]) -> None:
+    graph = Graph().add("tp", size=2, plan=plan).compile(world_size=2)
+    graph.check_model(model, MeshContext(graph.layout, "cpu"))  # no error
+
+
+def test_a_whole_linear_as_wide_as_the_hidden_states_is_refused():
+    """Without q's low rank, q_proj takes attention's hidden states (64 features), and a
+    kv_a_proj_with_mqa that happens to be as wide (kv_lora_rank 56 + the rope key's 8) was read
+    as feeding it: what a linear left whole can hand the split ones is what those fed inside the
+    module take (kv_b_proj's latent), never the module's own input."""
+    model = tiny_mla(q_lora_rank=None, kv_lora_rank=56)
+    plan = {_MLA_AT + "q_proj": "colwise", _MLA_AT + "kv_b_proj": "colwise",
+            _MLA_AT + "o_proj": "rowwise"}
+    err = _rejected(model, Graph().add("tp", size=2, plan=plan))
+    assert err.rules == ("tp-unsummed-grad",)
+    (v,) = err.violations
+    assert v.message.startswith("model.layers.0.self_attn.kv_a_proj_with_mqa is left whole")
+    assert "(64 features) is not what any of them takes inside the module (56)" in v.message
+    assert v.keys == (f"plugins.tp.plan['{_MLA_AT}q_proj']",
+                      f"plugins.tp.plan['{_MLA_AT}kv_b_proj']")
+    assert f"plugins.tp.plan['{_MLA_AT}kv_a_proj_with_mqa'] = \"mla_kv_a_proj\"" in v.hint
+    _accepted(model, {**plan, _MLA_AT + "kv_a_proj_with_mqa": "mla_kv_a_proj"})
+
+
+def test_a_whole_q_proj_beside_split_keys_is_refused():
+    """Llama's q_proj left whole hands every head its query directly; it is as wide as what
+    k_proj and v_proj take (the hidden states), which was read as feeding them."""
+    at = "model.layers.*.self_attn."
+    plan = {at + "k_proj": "colwise", at + "v_proj": "colwise", at + "o_proj": "rowwise"}
+    err = _rejected(tiny_llama(), Graph().add("tp", size=2, plan=plan))
+    assert err.rules == ("tp-unsummed-grad",)
+    (v,) = err.violations
+    assert v.message.startswith("model.layers.0.self_attn.q_proj (and 1 more like it) is left "
+                                "whole")
+    assert "(each takes the module's own input)" in v.message
+    assert f"plugins.tp.plan['{at}q_proj'] = " in v.hint
+    assert "\"colwise\" when each head takes its own part of its output (a q_proj)" in v.hint
+
+
+def tiny_mla_indexer() -> nn.Module:
+    """DeepSeek-V3.2: MLA with an indexer inside attention, three linears left whole whose top-k
+    indices carry no gradient back."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(0)
+    return DeepseekV32ForCausalLM(DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=4,
+        attn_implementation="sdpa", use_cache=False))
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3, tiny_moe_shared_expert, tiny_mla,
+                                   tiny_mla_indexer])
+def test_a_models_own_plan_given_as_a_users_is_not_refused(build):
+    """Users copy a model's own plan: the rule (which reads users' plans only) passes it."""
+    from shardgraph.parallelisms.tp import _styles
+
+    model = build()
+    own, _ = _styles.model_plan(model)
+    _accepted(model, _styles.expand(own, model)[0])
+
+
 def test_mla_kv_a_proj_needs_the_rope_keys_width_from_the_config():
     plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "mla_kv_a_proj",
             "blocks.*.attn.v": "colwise", "blocks.*.attn.out": "rowwise"}

@@ -217,9 +217,12 @@ def _unsummed_gradients(matched: dict[str, str], head: str | None,
     gets back only this rank's heads' part, and nothing would sum it: refused unless the plan
     names it (``mla_kv_a_proj`` sums the rope key's part; ``replicate`` declares that its
     output reaches the heads only through the split linears). The test reads widths: its
-    output must be as wide as what one of those linears takes. It reads a user's plan only:
-    a model's own (transformers') names its shared keys itself, and there the test would refuse
-    AXK2's q_a_proj, whose output reaches its colwise q_gate_proj concatenated with its norm."""
+    output must be as wide as what one of those linears takes from inside the module — not
+    one that takes the module's own input (``takes_module_input``: its hidden states, which
+    no linear inside computes), or a kv_a_proj_with_mqa as wide as the hidden states would
+    pass beside q_proj. It reads a user's plan only: a model's own (transformers') names its
+    shared keys itself, and there the test would refuse AXK2's q_a_proj, whose output reaches
+    its colwise q_gate_proj concatenated with its norm."""
     import torch.nn as nn
 
     split: dict[str, list[str]] = {}
@@ -229,29 +232,36 @@ def _unsummed_gradients(matched: dict[str, str], head: str | None,
             split[parent] = linears
     found: dict[str, list[tuple[str, str, int, list[int]]]] = {}  # a glob over the layers
     for parent, linears in split.items():
-        takes = sorted({modules[f].in_features for f in linears})
+        rowwise = [modules[f] for f, style in matched.items()
+                   if style in ("rowwise", "rowwise_rep") and f.rpartition(".")[0] == parent]
+        takes = sorted({modules[f].in_features for f in linears
+                        if not rowwise or not styles.takes_module_input(modules[f], rowwise)})
         for name, child in modules[parent].named_children():
             path = f"{parent}.{name}"
-            if isinstance(child, nn.Linear) and path not in matched \
-                    and child.out_features not in takes:
+            if not isinstance(child, nn.Linear) or path in matched:
+                continue
+            width = child.out_features
+            if width not in takes:
                 glob = ".".join("*" if t.isdigit() else t for t in path.split("."))
-                found.setdefault(glob, []).append((path, parent, child.out_features, takes))
+                found.setdefault(glob, []).append((path, parent, width, takes))
     bad = []
     for glob, hits in found.items():
         path, parent, width, takes = hits[0]
         more = f" (and {len(hits) - 1} more like it)" if len(hits) > 1 else ""
+        what = (f"inside the module ({', '.join(map(str, takes))})" if takes else
+                "(each takes the module's own input)")
         bad.append(Violation(
             "tp-unsummed-grad",
             tuple(dict.fromkeys(keys[f] for f in split[parent])),
             f"{path}{more} is left whole beside the linears tp splits in {parent}, and its "
-            f"output ({width} features) is not what any of them takes "
-            f"({', '.join(map(str, takes))}): what of it reaches the split heads directly "
-            "(MLA's rope key, a key shared by every head) would get back only this rank's "
-            "heads' gradient, and nothing sums it over tp",
+            f"output ({width} features) is not what any of them takes {what}, so what of it "
+            "reaches the split heads directly (MLA's rope key, a key shared by every head) "
+            "would get back only this rank's heads' gradient, and nothing sums it over tp",
             hint=f"name it in the plan: plugins.tp.plan[{glob!r}] = \"mla_kv_a_proj\" when it is "
             "MLA's kv_a_proj_with_mqa (the gradient of its last config.qk_rope_head_dim outputs "
-            "is summed over tp), or \"replicate\" when its output reaches the heads only through "
-            f"the split linears; or leave {parent}'s linears out of the plan",
+            "is summed over tp), \"colwise\" when each head takes its own part of its output "
+            "(a q_proj), or \"replicate\" when its output reaches the heads only through the "
+            f"split linears; or leave {parent}'s linears out of the plan",
         ))
     return bad
 
