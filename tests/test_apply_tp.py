@@ -382,6 +382,21 @@ def test_a_whole_q_proj_beside_split_keys_is_refused():
     assert "\"colwise\" when each head takes its own part of its output (a q_proj)" in v.hint
 
 
+def test_a_whole_linear_deeper_in_the_module_is_refused():
+    """The rule reads the linears below attention, not only its children: a rope key's
+    projection inside a wrapper (here an nn.Sequential) is refused as the bare one is."""
+    model = tiny_mla()
+    for layer in model.model.layers:
+        layer.self_attn.kv_a_proj_with_mqa = nn.Sequential(layer.self_attn.kv_a_proj_with_mqa)
+    plan = {k: v for k, v in MLA_PLAN.items() if "kv_a_proj" not in k}
+    err = _rejected(model, Graph().add("tp", size=2, plan=plan))
+    assert err.rules == ("tp-unsummed-grad",)
+    (v,) = err.violations
+    assert v.message.startswith("model.layers.0.self_attn.kv_a_proj_with_mqa.0 is left whole")
+    assert f"plugins.tp.plan['{_MLA_AT}kv_a_proj_with_mqa.*'] = \"mla_kv_a_proj\"" in v.hint
+    _accepted(model, {**plan, _MLA_AT + "kv_a_proj_with_mqa.*": "mla_kv_a_proj"})
+
+
 def tiny_mla_indexer() -> nn.Module:
     """DeepSeek-V3.2: MLA with an indexer inside attention, three linears left whole whose top-k
     indices carry no gradient back."""

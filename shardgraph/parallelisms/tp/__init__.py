@@ -236,11 +236,8 @@ def _unsummed_gradients(matched: dict[str, str], head: str | None,
                    if style in ("rowwise", "rowwise_rep") and f.rpartition(".")[0] == parent]
         takes = sorted({modules[f].in_features for f in linears
                         if not rowwise or not styles.takes_module_input(modules[f], rowwise)})
-        for name, child in modules[parent].named_children():
-            path = f"{parent}.{name}"
-            if not isinstance(child, nn.Linear) or path in matched:
-                continue
-            width = child.out_features
+        for path in _left_whole(parent, modules, matched, split):
+            width = modules[path].out_features
             if width not in takes:
                 glob = ".".join("*" if t.isdigit() else t for t in path.split("."))
                 found.setdefault(glob, []).append((path, parent, width, takes))
@@ -264,6 +261,38 @@ def _unsummed_gradients(matched: dict[str, str], head: str | None,
             f"split linears; or leave {parent}'s linears out of the plan",
         ))
     return bad
+
+
+def _left_whole(parent: str, modules: dict[str, nn.Module], matched: dict[str, str],
+                split: dict[str, list[str]]) -> list[str]:
+    """The linears below ``parent`` the plan leaves whole, each read as handing its output to
+    the module around it: its children, and a child's own single linear (a wrapper: an
+    ``nn.Sequential``, a projection with its norm). A child with several linears computes
+    something of its own whose widths say nothing of where its output goes (DeepSeek-V3.2's
+    indexer, whose top-k indices carry no gradient back): not read; nor a child the plan names
+    or one whose colwise linears tp splits (read as a module of its own). A child the plan
+    splits a part of is read the same way, one level down."""
+    out = []
+    for name, child in modules[parent].named_children():
+        path = f"{parent}.{name}"
+        if path in matched or path in split:
+            continue
+        inner = _linears(path, child)
+        if inner != [path] and any(f.startswith(f"{path}.") for f in matched):
+            out += _left_whole(path, modules, matched, split)
+        elif len(inner) == 1:
+            out += inner
+    return out
+
+
+def _linears(path: str, module: nn.Module) -> list[str]:
+    """The linears at or below ``module`` (not inside a linear: LoRA's adapters are its own)."""
+    import torch.nn as nn
+
+    if isinstance(module, nn.Linear):
+        return [path]
+    return [f for name, child in module.named_children()
+            for f in _linears(f"{path}.{name}", child)]
 
 
 def _is_attention(fqn: str) -> bool:
