@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..core.axes import Axis
 from ..core.errors import PlanError, Violation
@@ -205,8 +205,12 @@ class ParallelModel:
         Gradients laid out alike (one mesh, one placement per mesh axis) sum their local
         squares, then reduce over the mesh axes that shard them (never over replicated ones);
         plain tensors are whole on every rank that holds them. The squares of every layout are
-        summed, and over ``pp``, whose ranks hold different parameters.
+        summed, and over ``pp``, whose ranks hold different parameters. A gradient still
+        partial over a mesh axis (a sequence-sharded norm's weight under sp where no strategy
+        reduces it: dp * cp = 1) is summed first, in place, into its parameter's placements:
+        its square is the whole gradient's, and the clip and the optimizer read it summed.
         """
+        self._sum_partial_grads()
         device = self.ctx.device
         layouts: dict[Any, torch.Tensor] = {}
         square = torch.zeros((), dtype=torch.float32, device=device)
@@ -230,6 +234,14 @@ class ParallelModel:
         if self.ctx.device_mesh is not None and self.ctx.layout.pp > 1:
             dist.all_reduce(square, group=self.ctx.mesh(Axis.PP).get_group())
         return square.sqrt()
+
+    def _sum_partial_grads(self) -> None:
+        for p in self.module.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                whole = p.placements if isinstance(p, DTensor) else [
+                    Replicate() if pl.is_partial() else pl for pl in g.placements]
+                p.grad = g.redistribute(g.device_mesh, whole)
 
     def clip_grads_(self, max_norm: float, norm: torch.Tensor) -> None:
         coef = max_norm / (float(norm) + 1e-6)
