@@ -9,7 +9,7 @@ tiny Qwen3-MoE (4 experts) built from the same seed on every rank.
 The reference is written with plain torch: the token-weighted mean cross-entropy of the global
 batch, micro-batches accumulated, ``clip_grad_norm_``, ``AdamW.step``. Under fsdp2, hsdp, ddp,
 tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp, with
-tp + sp, with cp),
+tp + sp and the loss computed in parallel, with cp),
 ep x dp, DeepSeek-V3's attention (MLA) under its own tp plan with sp x dp, pp with tied input
 and output embeddings (1F1B at pp 4, interleaved x dp, zero bubble x dp, pp x tp), and with
 selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile (aot_eager,
@@ -124,8 +124,9 @@ LAYOUTS = {
         "pp", size=2, schedule="zero_bubble").add("fsdp2"), 4),
     "pp2_tp2_fsdp2": ("llama", lambda: Graph().add("pp", size=2).add("tp", size=2)
                       .add("fsdp2"), 4),
-    "pp2_tp2_sp": ("llama", lambda: Graph().add("pp", size=2).add("tp", size=2).add("sp")
-                   .add("fsdp2"), 4),
+    "pp2_tp2_sp_loss_parallel": ("llama", lambda: Graph().add("pp", size=2)
+                                 .add("tp", size=2, loss_parallel=True).add("sp")
+                                 .add("fsdp2"), 4),
     "pp2_cp2_fsdp2": ("llama", lambda: Graph().add("pp", size=2).add("cp", size=2)
                       .add("fsdp2"), 2),
     "ep2_fsdp2": ("moe", lambda: Graph().add("ep", size=2).add("fsdp2"), 1),

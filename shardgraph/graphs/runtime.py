@@ -8,8 +8,8 @@ holds), the parts a step runs (one, or a pipeline's stages) and the values the s
    that count are summed over the data-parallel ranks (``count``);
 2. each micro-batch is reshaped by the plugins that declare ``prepare_batch`` (cp keeps its part
    of every sequence), run forward and backward inside the plugins' ``loss_context`` (tp's
-   ``loss_parallel``), or handed whole to a ``StepRunner`` value (pp's schedule, whose own
-   microbatches are the accumulation); gradient reduction happens on the last micro-batch only
+   ``loss_parallel``), itself or handed whole to a ``StepRunner`` value (pp's schedule, whose
+   own microbatches are the accumulation); gradient reduction happens on the last micro-batch only
    (``grad_sync``), and a runner completes its gradients once (``reduce_grads``); the token
    losses are the ``loss`` hook's (a loss computed from the LM head's input, chunk by chunk),
    else the cross-entropy of the logits;
@@ -180,7 +180,7 @@ class ParallelModel:
         inputs, local = self._model_inputs(input_ids, labels, position_ids)
         if self.runner is not None:
             ids = inputs.pop("input_ids")
-            with _outputs_read_out_of_place():
+            with self.loss_context(), _outputs_read_out_of_place():
                 return self.runner.run(ids, local, loss_fn, **inputs).detach()
         with self.loss_context(), _outputs_read_out_of_place():
             out = self.module(**inputs)
@@ -330,14 +330,14 @@ class ParallelModel:
                 for ids, lab, pos in zip(input_ids.split(size), labels.split(size),
                                          _split(batch, size, self.ctx.device)):
                     inputs, local = self._model_inputs(ids, lab, pos)
-                    if self.runner is not None:
-                        ids = inputs.pop("input_ids")
-                        loss = self.runner.evaluate(ids, local, loss_fn, **inputs)
-                    else:
-                        with self.loss_context(), _outputs_read_out_of_place():
+                    with self.loss_context(), _outputs_read_out_of_place():
+                        if self.runner is not None:
+                            ids = inputs.pop("input_ids")
+                            loss = self.runner.evaluate(ids, local, loss_fn, **inputs)
+                        else:
                             out = self.module(**inputs)
                             loss = loss_fn(getattr(out, "logits", out), local)
-                        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
                     total += loss.float().reshape(())
         finally:
             self.module.train(was_training)

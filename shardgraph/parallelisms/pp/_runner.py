@@ -228,7 +228,9 @@ class Pipeline:
                 watch.failed(exc)
         loss = torch.zeros((), dtype=torch.float32)
         if losses is not None:
-            loss = torch.stack([v.detach().float() for v in losses]).sum()
+            # a replicated DTensor where the loss is computed in parallel (tp's loss_parallel)
+            loss = torch.stack([(v.to_local() if isinstance(v, DTensor) else v).detach().float()
+                                for v in losses]).sum()
         src = self._last_stage_rank()
         dist.broadcast(loss, group=self.pp_group, group_src=src)
         return loss
