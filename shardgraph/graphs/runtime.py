@@ -341,8 +341,21 @@ class ParallelModel:
                     total += loss.float().reshape(())
         finally:
             self.module.train(was_training)
+            _reshard(self.module)
         # each of dp x cp holds distinct tokens; tp ranks hold the same sum, pp's is broadcast
         return float(self._sum(total, self._group(Axis.DP, Axis.CP))), int(count)
+
+
+def _reshard(module: nn.Module) -> None:
+    """Shard again the units that keep their parameters gathered from forward to backward
+    (``reshard_after_forward = False``: ep's experts, every block under pp): after a pass without
+    backward nothing else would until the next step's backward, and until then they would hold
+    the whole parameters, and ``parameters()`` would hand an optimizer or a checkpoint those."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _split(batch: Mapping[str, Any], size: int, device: torch.device
