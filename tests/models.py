@@ -64,6 +64,30 @@ def tiny_mla(**overrides) -> nn.Module:
     return DeepseekV3ForCausalLM(DeepseekV3Config(**config))
 
 
+def tiny_olmo2() -> nn.Module:
+    """Olmo 2's own plan gathers q/k/v (``colwise_gather_output``: its q/k norms span every
+    head) and gives o_proj the whole input (``rowwise_split_input``, transformers' name)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(0)
+    return Olmo2ForCausalLM(Olmo2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
+        attn_implementation="sdpa", use_cache=False))
+
+
+def tiny_phi3() -> nn.Module:
+    """Phi-3's own plan gathers its fused qkv_proj and gate_up_proj and gives o_proj and
+    down_proj the whole input (``rowwise_split_input``)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None,
+        attn_implementation="sdpa", use_cache=False))
+
+
 def batch(global_batch: int = 4, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (global_batch, seq), generator=g)

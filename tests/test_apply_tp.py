@@ -34,6 +34,8 @@ from tests.models import (
     tiny_llama,
     tiny_mla,
     tiny_moe_shared_expert,
+    tiny_olmo2,
+    tiny_phi3,
     tiny_qwen3,
 )
 
@@ -104,6 +106,43 @@ def custom_step(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> floa
     return loss.item()
 
 
+def tiny_gemma3n() -> nn.Module:
+    """Gemma 3n's own plan names v_norm ``replicated_with_grad_allreduce``: a norm without
+    parameters (``with_scale=False``)."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    torch.manual_seed(0)
+    return Gemma3nForCausalLM(Gemma3nTextConfig(
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_size_per_layer_input=8, num_kv_shared_layers=0, laurel_rank=4,
+        layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.0] * 2,
+        attn_implementation="sdpa", use_cache=False))
+
+
+def tiny_embedding_gemma2() -> nn.Module:
+    """EmbeddingGemma 2's text model (bidirectional, no LM head): v_norm has no parameters."""
+    from transformers import EmbeddingGemma2TextConfig, EmbeddingGemma2TextModel
+
+    torch.manual_seed(0)
+    return EmbeddingGemma2TextModel(EmbeddingGemma2TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+        num_global_key_value_heads=2, hidden_size_per_layer_input=8,
+        layer_types=["sliding_attention", "full_attention"], attn_implementation="sdpa"))
+
+
+def hidden_step(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> float:
+    """An encoder's step: its last hidden states against a fixed random target."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    hidden = model(input_ids=tokens).last_hidden_state
+    target = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(2))
+    loss = F.mse_loss(hidden, target)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 SHARED_EXPERT_PLAN = {f"model.layers.*.{m}": style for m, style in (
     ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"),
     ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
@@ -140,6 +179,13 @@ SCENARIOS = {
     # the model's own plan (transformers' names kv_a_proj_with_mqa "mla_kv_a_proj")
     "mla_own_sp_ac": (tiny_mla, lambda: Graph().add("tp", size=2).add("sp")
                       .add("activation_checkpointing")),
+    # transformers' own plans with rowwise_split_input, and a parameterless norm named
+    # replicated_with_grad_allreduce
+    "olmo2_tp": (tiny_olmo2, lambda: Graph().add("tp", size=2)),
+    "olmo2_sp": (tiny_olmo2, lambda: Graph().add("tp", size=2).add("sp")),
+    "phi3_tp": (tiny_phi3, lambda: Graph().add("tp", size=2)),
+    "gemma3n_tp": (tiny_gemma3n, lambda: Graph().add("tp", size=2)),
+    "embedding_gemma2_tp": (tiny_embedding_gemma2, lambda: Graph().add("tp", size=2)),
     "llama_tp_fsdp2": (tiny_llama, lambda: Graph().add("tp", size=2).add("fsdp2")),
     "qwen3_sp_fsdp2": (tiny_qwen3, lambda: Graph().add("tp", size=2).add("sp").add("fsdp2")),
     "qwen3_sp_hsdp": (tiny_qwen3, lambda: Graph().add("tp", size=2).add("sp").add("fsdp2")
@@ -153,7 +199,7 @@ def _scenario(name: str, world_size: int) -> dict:
     ctx = plan.build_mesh("cpu")
     model = make_model()
     tokens = batch(global_batch=4)
-    step = custom_step if name == "custom_toml" else sgd_step
+    step = {"custom_toml": custom_step, "embedding_gemma2_tp": hidden_step}.get(name, sgd_step)
     ref = copy.deepcopy(model)
     ref_loss = step(ref, tokens)
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -195,6 +241,12 @@ def world2():
              "qwen3_sp_ac", "llama_tp_ac_mp", "llama_loss_parallel", "custom_toml",
              "moe_shared_expert_tp", "moe_shared_expert_sp", "mla_tp", "mla_sp", "mla_tp_ac", "mla_own_sp_ac"]
     return _dist.run(run_scenarios, 2, names)
+
+
+@pytest.fixture(scope="module")
+def own_plans():
+    return _dist.run(run_scenarios, 2, ["olmo2_tp", "olmo2_sp", "phi3_tp", "gemma3n_tp",
+                                        "embedding_gemma2_tp"])
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +300,34 @@ def test_mla_matches_with_its_shared_rope_keys_gradient_summed(world2, name):
     assert shard["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == 1  # whole
     assert shard["model.layers.0.self_attn.kv_b_proj.weight"] == 2
     assert shard["model.layers.0.self_attn.q_b_proj.weight"] == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("name", "split"), [
+    ("olmo2_tp", ["self_attn.o_proj", "mlp.down_proj"]),
+    ("olmo2_sp", ["self_attn.o_proj", "mlp.down_proj"]),
+    ("phi3_tp", ["self_attn.o_proj", "mlp.down_proj", "self_attn.qkv_proj"]),
+])
+def test_own_plans_with_rowwise_split_input_match(own_plans, name, split):
+    """``rowwise_split_input`` (transformers': rowwise on a whole input, after linears whose
+    output is gathered) was refused as an unknown style, with advice to rename it in a plan
+    the user does not write."""
+    _exact(own_plans, name)
+    shard = own_plans[0][name]["shard"]
+    assert all(shard[f"model.layers.0.{m}.weight"] == 2 for m in split)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["gemma3n_tp", "embedding_gemma2_tp"])
+def test_a_parameterless_norm_named_replicated_with_grad_allreduce_needs_nothing(own_plans, name):
+    """v_norm has no parameters: nothing to replicate, no gradient to sum (transformers hooks
+    nothing there). It was refused ('has no parameters to replicate: remove the entry', from a
+    plan the user does not write)."""
+    _exact(own_plans, name)
+    prefix = "model." if name == "gemma3n_tp" else ""
+    shard = own_plans[0][name]["shard"]
+    assert shard[f"{prefix}layers.0.self_attn.q_norm.weight"] == 1
+    assert shard[f"{prefix}layers.0.self_attn.q_proj.weight"] == 2
 
 
 @pytest.mark.multiprocess

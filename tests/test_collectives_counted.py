@@ -1,6 +1,7 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp and cp
-(with and without full and selective activation checkpointing; Llama, Qwen3, Qwen2-MoE and
-DeepSeek's MLA; the training step's forward and backward of two micro-batches) counted at the
+(with and without full and selective activation checkpointing; Llama, Qwen3, Qwen2-MoE,
+DeepSeek's MLA, Phi-3 and Olmo 2; the training step's forward and backward of two micro-batches)
+counted at the
 dispatcher, group by group, call by call and byte by byte, against the rows ``shardgraph dryrun``
 prints for the same plan (``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the
 runtime's own reductions (token count, loss, gradient norm) are not compared here."""
@@ -49,7 +50,11 @@ CASES = {  # name -> (model, plan), world 2 and world 4
         # MLA (DeepSeek's own plan): q_b_proj and kv_b_proj sum their own input gradients,
         # the shared rope key's gradient is summed once, recomputed or not
         "mla_tp_ac": ("mla", "[plugins.tp]\nsize = 2\n[plugins.activation_checkpointing]\n"),
-        "mla_tp_sp": ("mla", "[plugins.tp]\nsize = 2\n[plugins.sp]\n")},
+        "mla_tp_sp": ("mla", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
+        # transformers' rowwise_split_input (Phi-3's o_proj and down_proj, Olmo 2's o_proj):
+        # the whole input's gradient is gathered in backward
+        "phi3_tp": ("phi3", "[plugins.tp]\nsize = 2\n"),
+        "olmo2_tp_sp": ("olmo2", "[plugins.tp]\nsize = 2\n[plugins.sp]\n")},
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }
@@ -90,14 +95,15 @@ def run_cases(rank: int, world: int) -> dict:
     from shardgraph.graphs.runtime import shift_labels
     from shardgraph.train.config import loads_pipeline
     from shardgraph.train.dryrun import collectives
-    from tests.models import batch, tiny_llama, tiny_mla, tiny_moe_shared_expert, tiny_qwen3
+    from tests.models import (batch, tiny_llama, tiny_mla, tiny_moe_shared_expert, tiny_olmo2,
+                              tiny_phi3, tiny_qwen3)
 
     out = {}
     for name, (model, plan_text) in CASES[world].items():
         plan = loads_pipeline(plan_text).graph.compile(world_size=world)
         ctx = plan.build_mesh("cpu")
         models = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2_moe": tiny_moe_shared_expert,
-                  "mla": tiny_mla}
+                  "mla": tiny_mla, "olmo2": tiny_olmo2, "phi3": tiny_phi3}
         parallel = plan.apply(models[model](), ctx)
         lay = ctx.layout
         pipeline = loads_pipeline(f"[data]\nseq_len = {SEQ}\n[train]\nglobal_batch_size = "

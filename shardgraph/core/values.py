@@ -135,7 +135,7 @@ class TPLayout:
 #: the tp styles that split a linear along its outputs, its input replicated
 COLWISE_STYLES = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"})
 #: the tp styles whose partial outputs are summed into the residual stream's placements
-ROWWISE_STYLES = frozenset({"rowwise", "rowwise_rep", "embedding_rowwise"})
+ROWWISE_STYLES = frozenset({"rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise"})
 
 
 @attrs.frozen

@@ -53,8 +53,10 @@ styles = lazy_module("shardgraph.parallelisms.tp._styles")
 #: the style names a user's plan may give: ``_styles.STYLES``' keys (a test keeps them equal),
 #: here so that compiling a plan that names styles imports no torch
 STYLE_NAMES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep",
-               "embedding_rowwise", "packed_colwise", "sequence_parallel",
+               "rowwise_split_input", "embedding_rowwise", "packed_colwise", "sequence_parallel",
                "replicated_with_grad_allreduce", "mla_kv_a_proj", "replicate")
+#: the rowwise styles that split a weight along its inputs ("rowwise" an embedding's vocabulary)
+_SPLIT_INPUTS = ROWWISE_STYLES - {"embedding_rowwise"}
 
 
 @attrs.frozen
@@ -156,9 +158,6 @@ def _module_problems(fqn, module, style, key, tp, config) -> list[Violation]:
             f"{fqn} is a {type(module).__name__}; style {style!r} shards an nn.{kinds}",
             hint="choose a style for this module type, or a narrower glob",
         )]
-    if style == "replicated_with_grad_allreduce" and not any(True for _ in module.parameters()):
-        return [Violation("tp-style", (key,), f"{fqn} has no parameters to replicate",
-                          hint="remove the entry")]
     attr = next((a for t, a in spec.shards.items() if isinstance(module, t)), None)
     size = getattr(module, attr) if attr else 0
     if size % (tp * spec.packed) == 0:
@@ -327,7 +326,7 @@ def _weight_layout(style: str | None, module: nn.Module) -> str:
     """How ``style`` splits ``module``'s weight: its rows, its columns, or not at all."""
     if style in styles.HEAD_STYLES or style == "embedding_rowwise":
         return "rows"
-    if style in ("rowwise", "rowwise_rep"):
+    if style in _SPLIT_INPUTS:
         return "rows" if isinstance(module, nn.Embedding) else "columns"
     return "packed rows" if style == "packed_colwise" else "whole"
 
@@ -377,7 +376,7 @@ def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
     last: dict[str, str] = {}
     again = set()
     for fqn, style in resolved.matched.items():
-        region = recompute.region(modules, fqn) if style in ("rowwise", "rowwise_rep") else None
+        region = recompute.region(modules, fqn) if style in _SPLIT_INPUTS else None
         if region is not None:
             again.add(fqn)
             last[region] = fqn
@@ -421,32 +420,33 @@ def _sharing(matched: dict[str, str], head: str | None,
 
 def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
-    """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted
-    in tests/test_collectives_counted.py): a rowwise layer's partial output is summed (reduce-scattered
-    along the sequence under sp, whose backward gathers the gradient back); every colwise
-    linear's input gradient is summed in backward: once for the module around those that take
-    its own input (attention, MLP: ``share_input_reduction``), under sp by sp's gather (sp's
-    rows); the head's (reduce-scattered under sp) and those of linears fed something else
+    """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted in
+    tests/test_collectives_counted.py): a rowwise layer's partial output is summed (reduce-scattered
+    along the sequence under sp, whose backward gathers the gradient back), and one that takes a
+    whole input (``rowwise_rep``, ``rowwise_split_input``) gathers its input's gradient in backward;
+    every colwise linear's input gradient is summed in backward: once for the module around those
+    that take its own input (attention, MLP: ``share_input_reduction``), under sp by sp's gather
+    (sp's rows); the head's (reduce-scattered under sp) and those of linears fed something else
     (MLA's q_b_proj and kv_b_proj, after a norm; which ones, ``takes_module_input`` reads from
     widths) each alone; a gathered colwise output (the logits unless ``loss_parallel``) is
-    all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is
-    all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``). A checkpointed
-    block runs its forward's again when it recomputes, up to the last tensor backward reads
-    (torch's checkpoint stops there): all its rowwise layers' but the last's where that one's
-    output ends the block (``_ends_region``); sp's own gathers are sp's rows. A partial
-    gradient is summed by the strategy's reduction in each backward; without a strategy
-    (dp * cp = 1) at the optimizer step, not listed."""
+    all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is all-reduced,
+    as is MLA's shared rope key's gradient (``mla_kv_a_proj``). A checkpointed block runs its
+    forward's again when it recomputes, up to the last tensor backward reads (torch's checkpoint
+    stops there): all its rowwise layers' but the last's where that one's output ends the block
+    (``_ends_region``); sp's own gathers are sp's rows. A partial gradient is summed by the
+    strategy's reduction in each backward; without a strategy (dp * cp = 1) at the gradient
+    norm, not listed."""
     sp = inputs.get("sequence_parallel") is not None
     resolved = _resolve(model, options, ctx.tp_size)
     modules = dict(model.named_modules())
     mb, tokens, act = batch.micro_batches, batch.tokens, batch.act_bytes
-    rowwise = colwise = gathered = head_in = grads = rope = 0
-    n_row = n_col = n_gather = n_grads = n_rope = 0
+    rowwise = colwise = gathered = head_in = grads = rope = whole_in = 0
+    n_row = n_col = n_gather = n_grads = n_rope = n_whole = 0
     shared: dict[str, int] = {}  # module -> the bytes of its input gradient
     sharing = set(_sharing(resolved.matched, resolved.head, modules))
     gives_back: dict[str, list[nn.Module]] = {}  # module -> its rowwise linears
     for fqn, style in resolved.matched.items():
-        if style in ("rowwise", "rowwise_rep"):
+        if style in _SPLIT_INPUTS:
             gives_back.setdefault(fqn.rpartition(".")[0], []).append(modules[fqn])
     again = _recomputed_rowwise(resolved, modules, inputs.get("activation_checkpointing"))
     for fqn, style in resolved.matched.items():
@@ -455,6 +455,9 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
             times = 2 if fqn in again else 1
             n_row += times
             rowwise += times * tokens * batch.hidden * act
+            if style in ("rowwise_rep", "rowwise_split_input"):  # split here from a whole input
+                n_whole += 1
+                whole_in += tokens * m.in_features * act
         elif style in COLWISE_STYLES:
             head = fqn == resolved.head
             parent = fqn.rpartition(".")[0]
@@ -488,6 +491,8 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                          "gathered colwise outputs: the logits (forward)")
             + (collective("all_gather", "tp", back * mb, rowwise * back // n_row,
                           "rowwise layers' output gradients (backward)") if sp and n_row else [])
+            + collective("all_gather", "tp", n_whole * mb, whole_in,
+                         "input gradients of rowwise layers that split a whole input (backward)")
             + collective("all_reduce", "tp", len(shared) * mb, sum(shared.values()),
                          "input gradients of the modules around colwise linears (backward)")
             + collective("all_reduce", "tp", n_col * mb, colwise,

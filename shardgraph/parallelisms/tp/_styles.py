@@ -54,6 +54,8 @@ STYLES: dict[str, Style] = {s.name: s for s in (
           doc="weight split along inputs (an embedding: along the vocabulary); output reduced"),
     Style("rowwise_rep", LINEAR, {nn.Linear: "in_features"},
           doc="rowwise on a replicated input (each rank takes its slice)"),
+    Style("rowwise_split_input", LINEAR, {nn.Linear: "in_features"},
+          doc="rowwise_rep under transformers' name: after colwise_gather_output linears"),
     Style("embedding_rowwise", EMBEDDING, {nn.Embedding: "num_embeddings"},
           doc="vocabulary-parallel embedding; output reduced"),
     Style("packed_colwise", LINEAR, {nn.Linear: "out_features"}, packed=2,
@@ -61,7 +63,8 @@ STYLES: dict[str, Style] = {s.name: s for s in (
     Style("sequence_parallel", None,
           doc="parameters replicated, input and output sharded along the sequence (dim 1)"),
     Style("replicated_with_grad_allreduce", None,
-          doc="parameters replicated, gradients summed over tp (a per-head q/k norm)"),
+          doc="parameters replicated, gradients summed over tp (a per-head q/k norm); nothing "
+          "on a module without parameters (Gemma's v_norm)"),
     Style("mla_kv_a_proj", LINEAR,
           doc="left whole; the last config.qk_rope_head_dim outputs (MLA's rope key, shared by "
           "every head) get their gradient summed over tp"),
@@ -150,14 +153,15 @@ def torch_style(
         return ResidualRowwise(layout, input_layouts=Replicate())
     if name == "rowwise":
         return ResidualRowwise(layout)
-    if name == "rowwise_rep":
+    if name in ("rowwise_rep", "rowwise_split_input"):
         return ResidualRowwise(layout, input_layouts=Replicate())
     if name == "packed_colwise":
         return PackedColwiseParallel()
     if name == "sequence_parallel":
         return KeepFrozenSequenceParallel(use_local_output=True)
     if name == "replicated_with_grad_allreduce":
-        return ReplicatedWithGradAllReduce()
+        # no parameters, no partial gradient: transformers hooks nothing there either
+        return ReplicatedWithGradAllReduce() if any(True for _ in module.parameters()) else None
     if name == "mla_kv_a_proj":
         return SharedTailGradReduce(rope_width(config))
     if name == "replicate":
@@ -167,7 +171,7 @@ def torch_style(
 
 #: style -> the dim of the weight it shards (0: outputs, 1: inputs) for the adapters beside it
 _WEIGHT_DIM = {"colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "packed_colwise": 0,
-               "rowwise": 1, "rowwise_rep": 1}
+               "rowwise": 1, "rowwise_rep": 1, "rowwise_split_input": 1}
 
 
 def distribute_adapters(children: dict[str, nn.Module], adapters, style: str,
