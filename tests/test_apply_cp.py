@@ -199,6 +199,97 @@ def test_attentions_not_built_here_are_refused(attention):
     assert err.key == "plugins.cp.attention" and "allgather" in str(err)
 
 
+def _bert(**config) -> nn.Module:
+    from transformers import BertConfig, BertLMHeadModel
+
+    return BertLMHeadModel(BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, **config))
+
+
+def _bidirectional_gemma3() -> nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["full_attention"] * 2, use_bidirectional_attention=True))
+
+
+def _bidirectional_step3p5() -> nn.Module:
+    """Step 3.5 keeps its text layers ``is_causal`` and gives them a bidirectional mask: cp's
+    attention, which drops the mask, computed a causal model without a word."""
+    from transformers import Step3p7Config, Step3p7ForConditionalGeneration
+
+    return Step3p7ForConditionalGeneration(Step3p7Config(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, mlp_layer_types=["dense"] * 2, pad_token_id=0,
+                         layer_types=["full_attention"] * 2, use_bidirectional_attention=True),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14)))
+
+
+def _embedding_gemma2() -> nn.Module:
+    """An encoder: its attention layers are built non-causal, no config flag makes them causal."""
+    from transformers import EmbeddingGemma2TextConfig, EmbeddingGemma2TextModel
+
+    return EmbeddingGemma2TextModel(EmbeddingGemma2TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+        num_global_key_value_heads=2, hidden_size_per_layer_input=8,
+        layer_types=["full_attention"] * 2))
+
+
+@pytest.mark.parametrize(("make", "keys", "fix"), [
+    # BERT-likes attend both ways unless config.is_decoder
+    (_bert, ("model.config.is_decoder", "plugins.cp"), "set config.is_decoder = True"),
+    (_bidirectional_gemma3, ("model.config.use_bidirectional_attention", "plugins.cp"),
+     "set config.use_bidirectional_attention = False"),
+    (_bidirectional_step3p5, ("model.config.use_bidirectional_attention", "plugins.cp"),
+     "set config.use_bidirectional_attention = False"),
+    (_embedding_gemma2, ("plugins.cp",), "remove cp"),
+])
+def test_a_model_that_attends_both_ways_is_refused(make, keys, fix):
+    """cp's attention is causal: a model that attends both ways failed in its first forward,
+    after the model was changed (where its layers say ``is_causal = False``), or computed a
+    causal model instead (Step 3.5)."""
+    err = _rejected(make(), Graph().add("cp", size=2).add("fsdp2"))
+    assert err.rules == ("cp-attention",) and err.plugin == "cp"
+    assert err.keys == keys
+    assert "attends in both directions" in str(err) and f"fix: {fix}" in str(err)
+
+
+def _gpt_neox() -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=64,
+                                            intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4))
+
+
+def _gemma3_with_vision() -> nn.Module:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, layer_types=["full_attention"] * 2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4))
+
+
+@pytest.mark.parametrize("make", [
+    _gpt_neox,  # its config leaves is_decoder false; its attention is causal
+    # a decoder's cross-attention is not causal, and runs only beside an encoder
+    lambda: _bert(is_decoder=True, add_cross_attention=True),
+    _gemma3_with_vision,  # so is the vision tower's attention, its own config's
+])
+def test_a_causal_model_with_a_flag_or_a_layer_that_says_otherwise_passes(make):
+    plan = Graph().add("cp", size=2).add("fsdp2").compile(world_size=2)
+    plan.check_model(make(), MeshContext(plan.layout, "cpu"))  # no error
+
+
 def test_shard_batch_leaves_a_batch_alone_without_cp():
     tokens = torch.ones(1, 6, dtype=torch.long)
     assert shard_batch({"input_ids": tokens, "labels": tokens}, None) == {
@@ -234,8 +325,10 @@ def test_sliding_windows_that_differ_by_layer_are_each_named():
         sliding_window=8))
     assert model.config.per_layer_attributes == {"sliding_window"}
     err = _rejected(model, Graph().add("cp", size=2).add("fsdp2"))
-    assert err.rule == "cp-attention" and err.plugin == "cp"
-    assert err.keys == ("model.config.per_layer_config[0].sliding_window", "plugins.cp")
+    assert err.rules == ("cp-attention", "cp-attention") and err.plugin == "cp"
+    both, windows = err.violations  # a masked LM: it attends both ways as well
+    assert "attends in both directions" in both.message
+    assert windows.keys == ("model.config.per_layer_config[0].sliding_window", "plugins.cp")
     assert "8 tokens in layer 0, 1024 tokens in layer 1" in str(err)
     assert "config.per_layer_config[i].sliding_window = None" in str(err)
 

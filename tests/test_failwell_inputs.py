@@ -223,6 +223,24 @@ def test_a_bert_that_is_no_decoder_is_refused_with_the_key_to_set(tmp_path, caps
         "[model.config]\n" in err
 
 
+def test_what_decides_attending_both_ways_is_how_the_attention_is_built():
+    """GPT-NeoX's config leaves is_decoder false and its attention is causal: it was refused as
+    attending both ways, the flag alone deciding. A Gemma 3 built bidirectional has no such flag:
+    refused with the key that makes it causal (``core.blocks.attends_both_ways``, which cp's
+    check reads too)."""
+    from shardgraph.train.config import ModelConfig
+    from shardgraph.train.model import meta_model
+
+    assert meta_model(ModelConfig(architecture="GPTNeoXForCausalLM")).config.is_decoder is False
+    with pytest.raises(PlanError) as caught:
+        meta_model(ModelConfig(architecture="Gemma3ForCausalLM",
+                               config={"use_bidirectional_attention": True}))
+    assert caught.value.keys == ("model.config.use_bidirectional_attention",)
+    assert "Gemma3ForCausalLM attends in both directions (config.use_bidirectional_attention = " \
+        "True)" in str(caught.value)
+    assert "fix: set use_bidirectional_attention = false under [model.config]" in str(caught.value)
+
+
 def test_pipelining_a_model_without_layers_says_to_give_it_layers(tmp_path, capsys):
     """A config.json of 0 layers ([model.config] refuses 0 itself): the fix was to "use at
     most 0 stages"."""

@@ -1,11 +1,15 @@
-"""Finding a model's transformer blocks: the unit FSDP wraps and checkpointing recomputes."""
+"""Finding a model's transformer blocks: the unit FSDP wraps and checkpointing recomputes; its
+embeddings; whether its attention is causal."""
 
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from .errors import Violation
+from .model_config import text_config
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -73,3 +77,43 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
         return get() if callable(get) else None
     except (NotImplementedError, AttributeError):
         return None
+
+
+@attrs.frozen
+class BothWays:
+    """Why a model attends in both directions: ``why`` completes "it attends in both directions
+    ..."; ``attr``, the config attribute that makes it so, and ``causal``, the value that makes
+    it causal (``None``: nothing in the config does, an encoder's layers are built so)."""
+
+    why: str
+    attr: str | None = None
+    causal: Any = None
+
+
+def attends_both_ways(model: nn.Module) -> BothWays | None:
+    """Why ``model``'s text model attends in both directions, or ``None`` where it is causal.
+
+    Read from the built model: ``config.use_bidirectional_attention`` set (Gemma 3's, Step
+    3.5's: the latter's layers stay ``is_causal`` and get a bidirectional mask), or a
+    self-attention layer whose ``is_causal`` is false: an encoder's, a BERT-like's unless
+    ``config.is_decoder`` is true (that flag is the fix then). The flag alone decides nothing:
+    GPT-NeoX's config leaves it false and its attention is causal. Cross-attention (a decoder
+    layer's ``encoder_attn``, BERT's ``crossattention``: run only beside an encoder) and the
+    layers of another config's model (a vision tower) do not count."""
+    config = getattr(model, "config", None)
+    text = text_config(config)
+    mode = getattr(text, "use_bidirectional_attention", None)
+    if mode is True or mode == "all":  # Gemma 4's "vision": only image tokens see both ways
+        return BothWays(f"(config.use_bidirectional_attention = {mode!r})",
+                        "use_bidirectional_attention", False)
+    both = [name for name, m in model.named_modules()
+            if getattr(m, "is_causal", True) is False
+            and getattr(m, "config", text) is text
+            and not any("cross" in t or t.startswith("encoder_attn") for t in name.split("."))]
+    if not both:
+        return None
+    if getattr(config, "is_decoder", None) is False:
+        return BothWays("unless config.is_decoder is true", "is_decoder", True)
+    more = f" and {len(both) - 1} more" if len(both) > 1 else ""
+    return BothWays(f"(its attention layers are built non-causal: {both[0]}.is_causal = False"
+                    f"{more})")

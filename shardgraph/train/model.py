@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core.blocks import attends_both_ways
 from ..core.errors import PlanError, Violation, did_you_mean
 from .config import ModelConfig
 
@@ -100,19 +101,27 @@ def hf_config(spec: ModelConfig):
 
 
 def _attends_both_ways(model: nn.Module, spec: ModelConfig) -> None:
-    """Refuse a causal-LM class built with ``config.is_decoder`` false: BERT-likes' (BertLMHeadModel,
-    RobertaForCausalLM, ...) warn and attend both ways, so each position would see the token it
-    is trained to predict. Read from the built model's config, which a class that needs the flag
-    and sets it itself (BART's) holds set; a config without the flag (Llama's) is causal."""
-    if getattr(model.config, "is_decoder", True) is not False:
+    """Refuse a causal-LM class whose attention sees both ways (``core.blocks.attends_both_ways``):
+    BERT-likes' (BertLMHeadModel, RobertaForCausalLM, ...) unless ``config.is_decoder`` is true,
+    a bidirectional Gemma 3, so each position would see the token it is trained to predict. Read
+    from the built model, whose config a class that needs the flag and sets it itself (BART's)
+    holds set; a config whose flag is false but whose attention is causal (GPT-NeoX's) passes."""
+    both = attends_both_ways(model)
+    if both is None:
         return
-    where = f" ({Path(spec.path, 'config.json')} leaves it false)" if spec.path else ""
+    config = Path(spec.path, "config.json") if spec.path else None
+    if both.attr is None:
+        key, where = ("model.path" if spec.path else "model.architecture"), ""
+        hint = "use a causal language model (a decoder's *ForCausalLM class)"
+    else:
+        value = str(getattr(model.config, both.attr, None)).lower()
+        key, where = f"model.config.{both.attr}", f" ({config} leaves it {value})" if config else ""
+        hint = f"set {both.attr} = {str(both.causal).lower()} under [model.config]" + (
+            " (it overrides config.json's)" if config else "")
     raise PlanError([Violation(
-        "model", ("model.config.is_decoder",),
-        f"{type(model).__name__} attends in both directions unless config.is_decoder is true"
-        f"{where}: trained on the next token, each position would see the token it predicts",
-        hint="set is_decoder = true under [model.config]"
-        + (" (it overrides config.json's)" if spec.path else ""))])
+        "model", (key,),
+        f"{type(model).__name__} attends in both directions {both.why}{where}: trained on the "
+        "next token, each position would see the token it predicts", hint=hint)])
 
 
 def unbuildable(spec: ModelConfig, exc: Exception) -> Violation:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ...core.axes import Axis
+from ...core.blocks import attends_both_ways
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
@@ -112,7 +113,27 @@ def _model_check(model: nn.Module, options: CPOptions, ctx: MeshContext) -> list
             hint="use a transformers model that supports attn_implementation, or remove cp",
             plugin="cp",
         )]
-    return _windows(config) + _softcaps(config)
+    return _causal(model) + _windows(config) + _softcaps(config)
+
+
+def _causal(model: nn.Module) -> list[Violation]:
+    """cp's attention is causal: each token sees the tokens before it, by global position."""
+    both = attends_both_ways(model)
+    if both is None:
+        return []
+    if both.attr is None:
+        keys, fix = ("plugins.cp",), ("remove cp: it shards causal (decoder) attention only; an "
+                                      "encoder or embedding model attends both ways")
+    else:
+        value = str(both.causal).lower()
+        keys = (f"model.config.{both.attr}", "plugins.cp")
+        fix = (f"set config.{both.attr} = {both.causal} ({both.attr} = {value} under "
+               "[model.config]) when the model is meant to be causal, or remove cp")
+    return [Violation(
+        "cp-attention", keys,
+        f"{type(model).__name__} attends in both directions {both.why}; cp's attention is "
+        "causal (each token sees only the tokens before it) and would compute another model",
+        hint=fix, plugin="cp")]
 
 
 def _unreadable(attr: str, config, what: str, hint: str) -> Violation:
