@@ -93,6 +93,8 @@ def command(*args, timeout: float = 240.0, env: dict[str, str] | None = None) ->
     """``shardgraph ARGS`` in this process, as the command line runs it (its exit code), with
     ``env`` added to the environment its workers take, within ``timeout`` seconds: past it a
     ``TimeoutError`` ends the launch, whose agent stops every worker as it does on any error.
+    A test that expects a refusal runs it here too: a regression that launched would end at the
+    timeout, not hang the suite.
 
     The workers fork from this session's fork server, whose imports every launch shares: a
     ``python -m shardgraph.train`` of its own imports torch and transformers in the launcher and
@@ -106,13 +108,16 @@ def command(*args, timeout: float = 240.0, env: dict[str, str] | None = None) ->
         raise TimeoutError(f"shardgraph {' '.join(map(str, args))} exceeded {timeout}s")
 
     before = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, timeout)
+    began = time.monotonic()
     try:
         with _environ(env or {}):
             return main([str(a) for a in args])
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
+        if outer:  # an alarm set around this call (pytest-timeout's) goes on, not off
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - began), 1e-3))
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardgraph.cli import COMMANDS, build_parser, main
+from tests import _dist
 
 ROOT = Path(__file__).parents[1]
 LLAMA_70B = str(ROOT / "examples" / "llama3_70b_dryrun.toml")
@@ -126,8 +127,8 @@ def test_a_world_size_that_does_not_divide_names_the_flag(command, tiny, capsys)
 
 
 def test_export_names_nproc_and_defaults_to_the_file_s_world_size(tiny, tmp_path, capsys):
-    assert main(["export", tiny, str(tmp_path / "step_1"), str(tmp_path / "out"),
-                 "--nproc", "3"]) == 2
+    assert _dist.command("export", tiny, str(tmp_path / "step_1"), str(tmp_path / "out"),
+                         "--nproc", "3") == 2
     err = capsys.readouterr().err
     assert "[world-size] --nproc" in err and "mesh.world_size" not in err, err
     with pytest.raises(SystemExit):
@@ -310,7 +311,7 @@ def test_input_that_crashed_a_command_is_refused_with_its_key(tmp_path, capsys):
     cases += [([command, odd_cp], "data.seq_len, plugins.cp.size")
               for command in ("estimate", "dryrun", "train")]
     for args, key in cases:
-        assert main(args) == 2, args
+        assert _dist.command(*args) == 2, args
         err = capsys.readouterr().err
         assert f"] {key}:" in err and "Traceback" not in err, (args, err)
 
@@ -338,8 +339,9 @@ def test_train_refuses_outputs_it_could_not_write_before_it_starts(tmp_path, cap
     directory = tmp_path / "metrics"
     directory.mkdir()
     a_file = _write(tmp_path, "traces", "")
-    assert main(["train", _write(tmp_path, "t.toml", TINY), "--steps", "2", "--metrics",
-                 str(directory), "--profile", "1:1", "--profile-dir", a_file]) == 2
+    assert _dist.command("train", _write(tmp_path, "t.toml", TINY), "--steps", "2",
+                         "--metrics", str(directory), "--profile", "1:1", "--profile-dir",
+                         a_file) == 2
     err = capsys.readouterr().err
     assert "2 problems" in err and "--metrics" in err and "--profile-dir" in err, err
 
@@ -371,14 +373,14 @@ def test_a_checkpoint_given_by_resume_is_named_resume(tmp_path, capsys):
     the user gave, not the file's checkpoint.resume."""
     empty = tmp_path / "step_00000010"
     empty.mkdir()
-    assert main(["train", _write(tmp_path, "t.toml", TINY), "--resume", str(empty)]) == 2
+    assert _dist.command("train", _write(tmp_path, "t.toml", TINY), "--resume", str(empty)) == 2
     err = capsys.readouterr().err
     assert "] --resume:" in err and "checkpoint.resume" not in err, err
 
 
 def _reported(args: list[str], capsys) -> tuple[set[str], set[str]]:
     """The (rules, keys) of the one report a refused command prints."""
-    assert main(args) == 2, args
+    assert _dist.command(*args) == 2, args
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     lines = [line.split("] ", 1) for line in err.splitlines() if line.startswith("  - [")]

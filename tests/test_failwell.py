@@ -69,7 +69,7 @@ def write(path: Path, text: str) -> Path:
 
 def test_unknown_model_config_keys_are_refused_with_did_you_mean(tmp_path, capsys):
     text = pipeline_text(tmp_path / "ck", config="hiden_size = 48\nrope_theta = 50000.0")
-    assert main(["train", str(write(tmp_path / "p.toml", text)), "--nproc", "2"]) == 2
+    assert _dist.command("train", str(write(tmp_path / "p.toml", text)), "--nproc", "2") == 2
     err = capsys.readouterr().err
     assert "1 problem in [model]" in err  # rope_theta is a key Llama's config takes up
     assert "model.config.hiden_size" in err and "did you mean 'hidden_size'?" in err
@@ -95,7 +95,7 @@ def test_every_problem_is_reported_before_launch(tmp_path, capsys):
                                                       "num_key_value_heads = 3")
     text = text.replace("hidden_size = 32", "hidden_size = 48")
     began = time.monotonic()
-    assert main(["train", str(write(tmp_path / "p.toml", text)), "--nproc", "2"]) == 2
+    assert _dist.command("train", str(write(tmp_path / "p.toml", text)), "--nproc", "2") == 2
     took = time.monotonic() - began
     err = capsys.readouterr().err
     assert "num_attention_heads = 3 is not divisible by tp = 2" in err
@@ -105,11 +105,11 @@ def test_every_problem_is_reported_before_launch(tmp_path, capsys):
     text = pipeline_text(tmp_path / "ck").replace('[model.config]',
                                                   '[model]\narchitecture = "NoSuchForCausalLM"'
                                                   '\n[model.config]')
-    assert main(["train", str(write(tmp_path / "q.toml", text)), "--nproc", "2"]) == 2
+    assert _dist.command("train", str(write(tmp_path / "q.toml", text)), "--nproc", "2") == 2
     err = capsys.readouterr().err
     assert "'NoSuchForCausalLM' is not an HF model class" in err and "in [model]" in err
     text = pipeline_text(tmp_path / "ck", train="log_every = 0")
-    assert main(["train", str(write(tmp_path / "r.toml", text))]) == 2
+    assert _dist.command("train", str(write(tmp_path / "r.toml", text))) == 2
     assert "in [train]:" in capsys.readouterr().err  # not "in the parallelism plan"
 
 
@@ -151,7 +151,7 @@ def test_resume_under_other_settings_is_refused_naming_each_key(saved, tmp_path,
                                                                  '[model]\ndtype = "bf16"\n[data]')
     changed = changed.replace('optimizer = "sgd"\n', "")
     before = sorted(p.name for p in root.iterdir())
-    assert main(["train", str(write(tmp_path / "p.toml", changed)), "--nproc", "2"]) == 2
+    assert _dist.command("train", str(write(tmp_path / "p.toml", changed)), "--nproc", "2") == 2
     err = capsys.readouterr().err
     assert "step_00000004 was saved from another model" in err
     assert "model.dtype = 'fp32' in the checkpoint, 'bf16' now" in err
@@ -196,7 +196,7 @@ def test_damaged_checkpoint_names_itself_and_the_previous_one(saved, tmp_path, c
     shard = sorted((work / "step_00000004").glob("*.distcp"))[0]
     os.truncate(shard, shard.stat().st_size // 2)
     path = write(tmp_path / "p.toml", pipeline_text(work, steps=6))
-    assert main(["train", str(path), "--nproc", "2"]) == 2
+    assert _dist.command("train", str(path), "--nproc", "2") == 2
     err = capsys.readouterr().err
     assert f"checkpoint {work / 'step_00000004'} is damaged" in err and "truncated" in err
     assert f"shardgraph train {path} --resume {work / 'step_00000002'}" in err

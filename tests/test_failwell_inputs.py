@@ -11,15 +11,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardgraph.cli import main
 from shardgraph.core.errors import PlanError
 from shardgraph.graphs import Graph
 from shardgraph.graphs.toml import loads_toml
+from tests import _dist
 from tests.test_failwell import pipeline_text, write
 
 
 def refused(capsys, path, *options: str) -> str:
-    assert main(["train", str(path), "--nproc", "2", *options]) == 2
+    assert _dist.command("train", str(path), "--nproc", "2", *options) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return err
@@ -78,7 +78,7 @@ def test_the_first_line_names_what_failed(tmp_path, capsys, case, subject):
     args = {"nproc": [str(good), "--nproc", "0"],
             "missing": [str(tmp_path / "nowhere.toml"), "--nproc", "2"],
             "syntax": [str(write(tmp_path / "s.toml", "[train\nsteps = 1")), "--nproc", "2"]}
-    assert main(["train", *args[case]]) == 2
+    assert _dist.command("train", *args[case]) == 2
     first = capsys.readouterr().err.splitlines()[0]
     assert first == f"shardgraph train: 1 problem in {subject}:", first
 
@@ -110,7 +110,7 @@ def test_a_malformed_jsonl_is_reported_once_in_our_words(tmp_path, capfd):
     tok.mkdir()
     text = pipeline_text(tmp_path / "ck").replace(
         "[data]", f'[data]\npath = "{bad}"\ntokenizer = "{tok}"')
-    assert main(["train", str(write(tmp_path / "p.toml", text)), "--nproc", "2"]) == 2
+    assert _dist.command("train", str(write(tmp_path / "p.toml", text)), "--nproc", "2") == 2
     err = capfd.readouterr().err
     # the json reader logged its own line, with the path, before our report
     assert "Failed to load JSON" not in err, err

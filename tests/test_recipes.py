@@ -14,6 +14,7 @@ import pytest
 from shardgraph import PlanError
 from shardgraph.train import loads_pipeline, train
 from shardgraph.train.schedule import lr_factor
+from tests import _dist
 
 BASE = """
 [model]
@@ -149,14 +150,12 @@ def test_bad_validation_is_a_plan_error(tmp_path, extra, key):
 def test_validation_data_is_checked_before_launch(tmp_path, capsys):
     import numpy as np
 
-    from shardgraph.cli import main
-
     big = tmp_path / "big.npy"
     np.save(big, np.full(64, 500, np.int32))  # token ids beyond the vocabulary
     path = tmp_path / "p.toml"
     path.write_text(BASE.format(train="", extra=f'[validation]\npath = "{big}"\n'
                                 "global_batch_size = 3\n[plugins.ddp]"))
-    assert main(["train", str(path), "--nproc", "2"]) == 2
+    assert _dist.command("train", str(path), "--nproc", "2") == 2
     err = capsys.readouterr().err
     assert "validation.path" in err and "token id 500" in err
     assert "validation.global_batch_size" in err  # 3 over 2 ranks: all at once
@@ -182,11 +181,9 @@ def test_checkpoint_and_logging_rules(monkeypatch):
 
 @pytest.mark.parametrize("value", ["5:2", "0:1", "1:9", "3", "a:b"])
 def test_bad_profile_ranges_are_refused_before_launch(tmp_path, capsys, value):
-    from shardgraph.cli import main
-
     path = tmp_path / "p.toml"
     path.write_text(BASE.format(train="", extra=""))
-    assert main(["train", str(path), "--profile", value]) == 2
+    assert _dist.command("train", str(path), "--profile", value) == 2
     assert "--profile" in capsys.readouterr().err
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from shardgraph import PlanError
-from shardgraph.cli import main
 from shardgraph.train.config import loads_pipeline
 from shardgraph.train.defaults import DEFAULT_PIPELINE
+from tests import _dist
 
 GOOD = """
 [model]
@@ -135,18 +135,18 @@ def _write(tmp_path, text: str):
 
 def test_cli_bad_input_exits_before_launching(tmp_path, capsys):
     two = _write(tmp_path, DEFAULT_PIPELINE + "[mesh]\nworld_size = 2\n")
-    assert main(["train", two, "--nproc", "4"]) == 2
+    assert _dist.command("train", two, "--nproc", "4") == 2
     assert "mesh.world_size" in capsys.readouterr().err
     odd = _write(tmp_path, DEFAULT_PIPELINE)
-    assert main(["train", odd, "--nproc", "3"]) == 2  # tp = 2 does not divide 3
+    assert _dist.command("train", odd, "--nproc", "3") == 2  # tp = 2 does not divide 3
     assert "--nproc, plugins.tp.size" in capsys.readouterr().err
-    assert main(["train", odd, "--nproc", "6"]) == 2  # 8 sequences over dp = 3
+    assert _dist.command("train", odd, "--nproc", "6") == 2  # 8 sequences over dp = 3
     assert "train.global_batch_size" in capsys.readouterr().err
     missing = _write(tmp_path, DEFAULT_PIPELINE.replace("[data]", "[data]\npath = \"nope.bin\""))
-    assert main(["train", missing]) == 2
+    assert _dist.command("train", missing) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["train", str(tmp_path / "absent.toml")]) == 2
-    assert main(["train", odd, "--steps", "0"]) == 2
+    assert _dist.command("train", str(tmp_path / "absent.toml")) == 2
+    assert _dist.command("train", odd, "--steps", "0") == 2
 
 
 def test_model_from_a_local_hf_directory(tmp_path):

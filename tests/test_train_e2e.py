@@ -246,16 +246,14 @@ def test_export_refuses_before_launch_and_a_failing_rank_ends_it_once(runs, tmp_
     import shutil
     import time
 
-    from shardgraph.cli import main
-
     tmp = runs["tmp"]
     saved = tmp / "ckpt_w4" / "step_00000020"
     full = tmp_path / "full"
     full.mkdir()
     (full / "kept").write_text("x")
     began = time.monotonic()
-    assert main(["export", str(tmp / "w4.toml"), str(tmp_path / "absent"), str(full),
-                 "--nproc", "2", "--peft", str(tmp_path / "adapters")]) == 2
+    assert _dist.command("export", str(tmp / "w4.toml"), str(tmp_path / "absent"), str(full),
+                         "--nproc", "2", "--peft", str(tmp_path / "adapters")) == 2
     assert time.monotonic() - began < 30  # refused, not launched
     err = capsys.readouterr().err
     assert err.count("shardgraph export: 3 problems") == 1, err
@@ -266,8 +264,8 @@ def test_export_refuses_before_launch_and_a_failing_rank_ends_it_once(runs, tmp_
     shutil.copytree(saved, damaged)
     shard = next(damaged.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    assert main(["export", str(tmp / "w4.toml"), str(damaged), str(tmp_path / "out"),
-                 "--nproc", "2"]) == 2
+    assert _dist.command("export", str(tmp / "w4.toml"), str(damaged), str(tmp_path / "out"),
+                         "--nproc", "2") == 2
     err = capsys.readouterr().err
     assert err.count("is damaged") == 1 and "] checkpoint: checkpoint" in err, err
     assert "resume" not in err and "export" in err.split("fix:")[1], err
@@ -284,24 +282,22 @@ def test_export_refuses_before_launch_and_a_failing_rank_ends_it_once(runs, tmp_
 
 
 def test_bad_checkpoints_are_refused_and_kept(runs, tmp_path, capsys):
-    from shardgraph.cli import main
-
     tmp = runs["tmp"]
     root = tmp / "ckpt_w4"
     before = sorted(p.name for p in root.iterdir())
     other = (tmp / "w4.toml").read_text().replace("hidden_size = 64", "hidden_size = 32")
     foreign = tmp_path / "foreign.toml"
     foreign.write_text(other)
-    assert main(["train", str(foreign), "--nproc", "4"]) == 2
+    assert _dist.command("train", str(foreign), "--nproc", "4") == 2
     assert "saved from another model" in capsys.readouterr().err
     never = tmp_path / "never.toml"
     never.write_text((tmp / "w4.toml").read_text().replace("keep = 10", "keep = 10\nresume = \"never\""))
-    assert main(["train", str(never), "--nproc", "4"]) == 2
+    assert _dist.command("train", str(never), "--nproc", "4") == 2
     assert "overwrite" in capsys.readouterr().err
     batch = tmp_path / "batch.toml"
     batch.write_text((tmp / "w4.toml").read_text().replace("global_batch_size = 8",
                                                            "global_batch_size = 16"))
-    assert main(["train", str(batch), "--nproc", "4"]) == 2
+    assert _dist.command("train", str(batch), "--nproc", "4") == 2
     assert "global_batch_size = 8" in capsys.readouterr().err
     broken = tmp_path / "step_00000007"
     broken.mkdir()
@@ -309,6 +305,6 @@ def test_bad_checkpoints_are_refused_and_kept(runs, tmp_path, capsys):
     corrupt = tmp_path / "corrupt.toml"
     corrupt.write_text((tmp / "w4.toml").read_text().replace(
         "keep = 10", f"keep = 10\nresume = \"{broken}\""))
-    assert main(["train", str(corrupt), "--nproc", "4"]) == 2
+    assert _dist.command("train", str(corrupt), "--nproc", "4") == 2
     assert "not a complete checkpoint" in capsys.readouterr().err
     assert sorted(p.name for p in root.iterdir()) == before
