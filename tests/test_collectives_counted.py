@@ -1,10 +1,10 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp and cp
 (with and without full and selective activation checkpointing; Llama, Qwen3, Qwen2-MoE,
 DeepSeek's MLA, Phi-3 and Olmo 2; the training step's forward and backward of two micro-batches)
-counted at the
-dispatcher, group by group, call by call and byte by byte, against the rows ``shardgraph dryrun``
-prints for the same plan (``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the
-runtime's own reductions (token count, loss, gradient norm) are not compared here."""
+counted at the dispatcher, group by group, call by call and byte by byte, against the rows
+``shardgraph dryrun`` prints for the same plan (``train/dryrun.collectives``). The strategy's
+rows (fsdp2, ddp) and the runtime's own reductions (token count, loss, gradient norm) are not
+compared here."""
 
 from __future__ import annotations
 
