@@ -88,6 +88,20 @@ def tiny_phi3() -> nn.Module:
         attn_implementation="sdpa", use_cache=False))
 
 
+def tiny_gemma2(layers: int = 2, seed: int = 0, **overrides) -> nn.Module:
+    """A family with a norm after attention and after the MLP, before the residual add: the
+    rowwise layers' outputs do not end the block. Eager attention (transformers runs Gemma 2's
+    soft-capped attention in no other), so no sp."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, attn_implementation="eager", use_cache=False)
+    config.update(overrides)
+    torch.manual_seed(seed)
+    return Gemma2ForCausalLM(Gemma2Config(**config))
+
+
 def batch(global_batch: int = 4, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (global_batch, seq), generator=g)

@@ -429,13 +429,15 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     (sp's rows); the head's (reduce-scattered under sp) and those of linears fed something else
     (MLA's q_b_proj and kv_b_proj, after a norm; which ones, ``takes_module_input`` reads from
     widths) each alone; a gathered colwise output (the logits unless ``loss_parallel``) is
-    all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is all-reduced,
-    as is MLA's shared rope key's gradient (``mla_kv_a_proj``). A checkpointed block runs its
-    forward's again when it recomputes, up to the last tensor backward reads (torch's checkpoint
-    stops there): all its rowwise layers' but the last's where that one's output ends the block
-    (``_ends_region``); sp's own gathers are sp's rows. A partial gradient is summed by the
-    strategy's reduction in each backward; without a strategy (dp * cp = 1) at the gradient
-    norm, not listed."""
+    all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is
+    all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``); under
+    ``loss_parallel`` torch's cross-entropy on the vocabulary-sharded logits all-reduces three
+    values per token (the largest logit, the sum of exponentials, the label's logit). A
+    checkpointed block runs its forward's again when it recomputes, up to the last tensor
+    backward reads (torch's checkpoint stops there): all its rowwise layers' but the last's
+    where that one's output ends the block (``_ends_region``); sp's own gathers are sp's rows.
+    A partial gradient is summed by the strategy's reduction in each backward; without a
+    strategy (dp * cp = 1) at the gradient norm, not listed."""
     sp = inputs.get("sequence_parallel") is not None
     resolved = _resolve(model, options, ctx.tp_size)
     modules = dict(model.named_modules())
@@ -481,6 +483,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                 n_grads += 1
                 grads += p.numel() * p.element_size()
     heads = int(head_in > 0)
+    losses = int(options.loss_parallel and resolved.head in resolved.matched)
     back = n_row - len(again)  # the backward mirrors each forward reduction once
     return (collective("reduce_scatter" if sp else "all_reduce", "tp", n_row * mb, rowwise,
                        "rowwise layers' partial outputs (forward"
@@ -502,7 +505,10 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
             + collective("reduce_scatter", "tp", heads * mb, head_in,
                          "the LM head's input gradient (backward)")
             + collective("all_reduce", "tp", n_grads * mb, mb * grads,
-                         "partial gradients of replicated parameters (backward)"))
+                         "partial gradients of replicated parameters (backward)")
+            + collective("all_reduce", "tp", 3 * losses * mb, 3 * losses * tokens * act,
+                         "the vocabulary-parallel loss: each token's largest logit, sum of "
+                         "exponentials and label's logit (forward)"))
 
 
 def _loss_context(options: TPOptions):
