@@ -50,6 +50,9 @@ CASES = {  # name -> (model, plan), world 2 and world 4
         # its own plan; the scaled embedding reduces its partial output inside the multiply
         # by its scale (a replicated DTensor), where only a counter below DTensor sees it
         "gemma2_tp": ("gemma2", "[plugins.tp]\nsize = 2\n"),
+        # a norm after attention and after the MLP reads each rowwise layer's output, so the
+        # recompute runs both again (the module tree registers the norms after the MLP)
+        "gemma2_tp_ac": ("gemma2", "[plugins.tp]\nsize = 2\n[plugins.activation_checkpointing]\n"),
         # MLA (DeepSeek's own plan): q_b_proj and kv_b_proj sum their own input gradients,
         # the shared rope key's gradient is summed once, recomputed or not
         "mla_tp_ac": ("mla", "[plugins.tp]\nsize = 2\n[plugins.activation_checkpointing]\n"),

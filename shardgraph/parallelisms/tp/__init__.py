@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is r
     from ...core.context import MeshContext
 
 styles = lazy_module("shardgraph.parallelisms.tp._styles")
+recomputed = lazy_module("shardgraph.parallelisms.tp._recompute")
 #: the style names a user's plan may give: ``_styles.STYLES``' keys (a test keeps them equal),
 #: here so that compiling a plan that names styles imports no torch
 STYLE_NAMES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep",
@@ -366,21 +367,27 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
     return Applied(model, values={"tensor_parallel": layout})
 
 
-def _recomputed_rowwise(resolved: _Resolved, modules: dict[str, nn.Module],
+def _recomputed_rowwise(model: nn.Module, resolved: _Resolved, modules: dict[str, nn.Module],
                         recompute: Recomputation | None) -> set[str]:
     """The rowwise layers whose forward a checkpointed block runs again in backward: torch's
-    checkpoint recomputes up to the last tensor backward reads, so every one but each block's
-    last, and that one too unless its output ends the block (``_ends_region``)."""
+    checkpoint recomputes up to the last tensor backward reads, so those after whose forward
+    the block saves a tensor for backward, read from one forward of a replica of the model
+    (``_recompute``: a norm on the layer's output counts, the residual add does not). Where no
+    replica runs, read from the module tree: every one but each block's last, and that one
+    too unless its output ends the block (``_ends_region``)."""
     if recompute is None:
         return set()
-    last: dict[str, str] = {}
-    again = set()
+    regions: dict[str, str] = {}  # rowwise layer -> its checkpointed region
     for fqn, style in resolved.matched.items():
         region = recompute.region(modules, fqn) if style in _SPLIT_INPUTS else None
         if region is not None:
-            again.add(fqn)
-            last[region] = fqn
-    return again - {fqn for region, fqn in last.items() if _ends_region(region, fqn, modules)}
+            regions[fqn] = region
+    saved = recomputed.saved_by_end(model) if regions else None
+    if saved is not None and all(f in saved and r in saved for f, r in regions.items()):
+        return {fqn for fqn, region in regions.items() if saved[region] > saved[fqn]}
+    last = {region: fqn for fqn, region in regions.items()}
+    return set(regions) - {fqn for region, fqn in last.items()
+                           if _ends_region(region, fqn, modules)}
 
 
 def _ends_region(region: str, fqn: str, modules: dict[str, nn.Module]) -> bool:
@@ -393,8 +400,9 @@ def _ends_region(region: str, fqn: str, modules: dict[str, nn.Module]) -> bool:
     one that goes on with its output (Qwen2-MoE's shared expert, gated and added to the routed
     experts' output), nor when a sublayer follows (an MoE block the plan leaves whole after
     attention's o_proj): their computation saves tensors the recompute must rebuild, and the
-    all-reduce runs again. A norm after the sublayer (Gemma's post_feedforward_layernorm)
-    cannot be told from one before it by structure and is not seen."""
+    all-reduce runs again. A norm after the sublayer (Gemma 2's post_feedforward_layernorm)
+    cannot be told from one before it by structure and is not seen here (the replica's forward
+    sees it)."""
     path = fqn[len(region) + 1:].split(".") if fqn != region else []
     if len(path) <= 1:
         return True
@@ -434,8 +442,8 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     ``loss_parallel`` torch's cross-entropy on the vocabulary-sharded logits all-reduces three
     values per token (the largest logit, the sum of exponentials, the label's logit). A
     checkpointed block runs its forward's again when it recomputes, up to the last tensor
-    backward reads (torch's checkpoint stops there): all its rowwise layers' but the last's
-    where that one's output ends the block (``_ends_region``); sp's own gathers are sp's rows.
+    backward reads (torch's checkpoint stops there): those of its rowwise layers after which
+    it saves a tensor (``_recomputed_rowwise``); sp's own gathers are sp's rows.
     A partial gradient is summed by the strategy's reduction in each backward; without a
     strategy (dp * cp = 1) at the gradient norm, not listed."""
     sp = inputs.get("sequence_parallel") is not None
@@ -450,7 +458,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     for fqn, style in resolved.matched.items():
         if style in _SPLIT_INPUTS:
             gives_back.setdefault(fqn.rpartition(".")[0], []).append(modules[fqn])
-    again = _recomputed_rowwise(resolved, modules, inputs.get("activation_checkpointing"))
+    again = _recomputed_rowwise(model, resolved, modules, inputs.get("activation_checkpointing"))
     for fqn, style in resolved.matched.items():
         m = modules[fqn]
         if style in ROWWISE_STYLES:
