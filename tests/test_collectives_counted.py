@@ -15,6 +15,11 @@ import pytest
 from tests import _dist
 
 SEQ, BATCH, MICRO = 8, 4, 2  # one data-parallel rank's batch, in two micro-batches
+#: Qwen2-MoE's shared expert split by tp, the rest of the model whole
+SHARED_EXPERT_TP = ("[plugins.tp]\nsize = 2\n[plugins.tp.plan]\n"
+                    '"model.layers.*.mlp.shared_expert.gate_proj" = "colwise"\n'
+                    '"model.layers.*.mlp.shared_expert.up_proj" = "colwise"\n'
+                    '"model.layers.*.mlp.shared_expert.down_proj" = "rowwise"\n')
 CASES = {  # name -> (model, plan), world 2 and world 4
     2: {"llama_tp": ("llama", "[plugins.tp]\nsize = 2\n"),
         "llama_tp_sp": ("llama", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
@@ -30,12 +35,15 @@ CASES = {  # name -> (model, plan), world 2 and world 4
                                               "mode = 'selective'\n"),
         "llama_cp_ac": ("llama", "[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n"
                                  "[plugins.activation_checkpointing]\n"),
-        # the MoE block runs whole around its split shared expert
+        # the MoE block runs whole around its split shared expert, whose down_proj all-reduces
         "qwen2_moe_shared_expert_sp": ("qwen2_moe", "[plugins.tp]\nsize = 2\n[plugins.tp.plan]\n"
                                        '"model.layers.*.mlp.shared_expert.gate_proj" = "colwise"\n'
                                        '"model.layers.*.mlp.shared_expert.up_proj" = "colwise"\n'
                                        '"model.layers.*.mlp.shared_expert.down_proj" = "rowwise"\n'
                                        "[plugins.sp]\n"),
+        # and the recompute runs that all-reduce again (gated, added to the routed experts')
+        "qwen2_moe_shared_expert_sp_ac": ("qwen2_moe", SHARED_EXPERT_TP + "[plugins.sp]\n"
+                                          "[plugins.activation_checkpointing]\n"),
         # under AC the shared expert's all-reduce runs again: its output is gated and added
         # to the routed experts' inside the MoE block, so the recompute does not stop before it
         "qwen2_moe_shared_expert_ac": ("qwen2_moe", "[plugins.tp]\nsize = 2\n[plugins.tp.plan]\n"
@@ -150,3 +158,17 @@ def test_the_dry_runs_tp_sp_and_cp_rows_are_what_torch_issues(counted):
         for name, got in cases.items():
             assert got["measured"], (rank, name)  # the counter saw the step's collectives
             assert got["declared"] == got["measured"], (rank, name, got)
+
+
+@pytest.mark.multiprocess
+def test_sp_reduces_a_shared_experts_output_in_one_all_reduce(counted):
+    """Under sp the shared expert's rowwise down_proj, whose output meets the routed experts'
+    inside the MoE block sp runs whole, is all-reduced as under tp alone: per layer and
+    micro-batch one all-reduce, where reducing into the sequence-sharded stream and gathering
+    back made a reduce-scatter and two all-gathers (28 all-gathers, 4 reduce-scatters and 4
+    all-reduces before)."""
+    if "qwen2_moe_shared_expert_sp" not in counted[0]:
+        pytest.skip("a world-2 case")
+    for cases in counted:
+        assert cases["qwen2_moe_shared_expert_sp"]["measured"] == {
+            ("all_gather", "tp"): (20, 81920), ("all_reduce", "tp"): (8, 32768)}

@@ -14,7 +14,7 @@ module (pluggy's hook specs play the same part for hooks).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -97,15 +97,37 @@ class TPLayout:
     ``matched``: module FQN -> tp style name; ``head``: the LM head's FQN (or None). The residual
     stream between blocks is replicated over tp after tp; ``shard_residual_on_sequence()``
     switches it to sharded along the sequence (dim 1): the styles that write into it or read from
-    it (rowwise projections, the embedding, the LM head) ask ``residual_placements()`` per call.
+    it (rowwise projections, the embedding, the LM head) ask ``residual_placements()`` per call,
+    a rowwise layer through ``output_placements(fqn)``, which stays replicated for the layers
+    ``reduce_whole()`` names (their output does not go to the residual stream).
     """
 
     matched: dict[str, str]
     head: str | None
     _sequence_dim: int | None = None
+    _whole: set[str] = attrs.field(factory=set)
 
     def shard_residual_on_sequence(self, dim: int = 1) -> None:
         self._sequence_dim = dim
+
+    def reduce_whole(self, fqns: Iterable[str]) -> None:
+        """Reduce the partial outputs of these rowwise layers (of ``rowwise()``) to replicated,
+        whatever the residual stream's placements: their output does not go to the residual
+        stream but meets other outputs inside a part computed whole (under sp, Qwen2-MoE's
+        shared expert's beside the routed experts'). One all-reduce, where reducing into the
+        sequence-sharded stream and gathering back would be a reduce-scatter and an all-gather.
+        """
+        fqns = set(fqns)
+        if not fqns <= set(self.rowwise()):
+            raise ValueError(f"not rowwise layers: {sorted(fqns - set(self.rowwise()))}")
+        self._whole |= fqns
+
+    def output_placements(self, fqn: str) -> tuple:
+        """The DTensor placements the rowwise layer ``fqn`` reduces its partial output into: the
+        residual stream's, or replicated for one ``reduce_whole()`` named."""
+        from torch.distributed.tensor import Replicate
+
+        return (Replicate(),) if fqn in self._whole else self.residual_placements()
 
     @property
     def sequence_sharded(self) -> bool:
@@ -126,9 +148,9 @@ class TPLayout:
         return [fqn for fqn, style in self.matched.items() if style in COLWISE_STYLES]
 
     def rowwise(self) -> list[str]:
-        """The FQNs of the modules whose partial outputs tp sums into the residual stream's
-        placements (``residual_placements()``): rowwise linears, a vocabulary-parallel
-        embedding."""
+        """The FQNs of the modules whose partial outputs tp sums into ``output_placements(fqn)``
+        (the residual stream's, unless ``reduce_whole()`` named them): rowwise linears, a
+        vocabulary-parallel embedding."""
         return [fqn for fqn, style in self.matched.items() if style in ROWWISE_STYLES]
 
 
@@ -141,9 +163,11 @@ ROWWISE_STYLES = frozenset({"rowwise", "rowwise_rep", "rowwise_split_input", "em
 @attrs.frozen
 class SequenceSharding:
     """Capability ``sequence_parallel``: activations between blocks are sharded along ``dim``
-    over the tp mesh."""
+    over the tp mesh. ``whole``: the rowwise layers whose partial outputs are reduced replicated
+    instead (``TPLayout.reduce_whole``), known once the model is laid out (sp's ``apply``)."""
 
     dim: int = 1
+    whole: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
 
 
 @attrs.frozen

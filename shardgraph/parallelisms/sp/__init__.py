@@ -7,7 +7,7 @@ its output, the embedding reduce-scatters (or slices) its output and the LM head
 input. Activations outside attention and MLP take ``1/tp`` of the memory. A block part whose
 split layers' outputs meet other outputs inside it (Qwen2-MoE's MoE block, its shared expert
 split beside whole routed experts) runs whole, as under tp alone: gathered before, scattered
-after, each rowwise layer inside gathering its output back.
+after, each rowwise layer inside all-reducing its output whole (``TPLayout.reduce_whole``).
 
 The step runs right after ``tp``: through tp's exported layout (``core.values.TPLayout``) it
 switches the residual stream that tp's rowwise projections, embedding and LM head read at every
@@ -24,12 +24,14 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from ...core.axes import Axis
 from ...core.costs import Cost
 from ...core.blocks import blocks_violation, find_blocks, input_embeddings
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
-from ...core.values import BatchShape, SequenceSharding, TPLayout, collective
+from ...core.values import Applied, BatchShape, SequenceSharding, TPLayout, collective
 from ...plugins import Kind, NoOptions, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -98,13 +100,16 @@ def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[
     if tp is None:
         raise RuntimeError("sp runs after the tp step, which exported no layout")
     tp.shard_residual_on_sequence(SEQUENCE.dim)
+    built = _sequence_styles(model, tp)
+    whole = _reduced_whole(built, tp)
+    tp.reduce_whole(whole)
     modules = dict(model.named_modules())
     mesh = ctx.mesh(Axis.TP)
-    for fqn, style in _sequence_styles(model, tp).items():
+    for fqn, style in built.items():
         parallelize_module(modules[fqn], mesh, style)
     _decoder(model).register_forward_pre_hook(
         functools.partial(_full_positions, ctx.tp_size), with_kwargs=True)
-    return model
+    return Applied(model, values={"sequence_parallel": attrs.evolve(SEQUENCE, whole=whole)})
 
 
 def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]:
@@ -152,20 +157,25 @@ def _whole_part(path: str, tp: TPLayout, modules: dict[str, nn.Module]
                 ) -> dict[str, ParallelStyle]:
     """A block part whose split layers' outputs meet other outputs inside it (the MoE block:
     the shared expert's beside the routed experts') runs whole, as under tp alone: the sequence
-    is gathered before it and scattered after it, each rowwise layer inside gathers its output
-    back, and the colwise linears of each module inside share one input-gradient reduction."""
+    is gathered before it and scattered after it, each rowwise layer inside reduces its output
+    whole (``_reduced_whole``), and the colwise linears of each module inside share one
+    input-gradient reduction."""
     by_parent: dict[str, list[nn.Module]] = {}
     for p in tp.colwise():
         if p != tp.head and p.startswith(path + "."):
             by_parent.setdefault(p.rpartition(".")[0], []).append(modules[p])
-    out: dict[str, ParallelStyle] = {
-        path: styles.Whole(by_parent.pop(path, [])),
-        **{p: styles.GatherOutput(tp.residual_placements())
-           for p in tp.rowwise() if p.startswith(path + ".")},
-    }
+    out: dict[str, ParallelStyle] = {path: styles.Whole(by_parent.pop(path, []))}
     out.update({parent: styles.ShareWholeInput(linears) for parent, linears in by_parent.items()
                 if parent not in tp.matched})
     return out
+
+
+def _reduced_whole(built: dict[str, ParallelStyle], tp: TPLayout) -> frozenset[str]:
+    """The rowwise layers inside the parts sp runs whole: their outputs go to no residual
+    stream, and tp all-reduces them replicated (``TPLayout.reduce_whole``: one all-reduce, not a
+    reduce-scatter into the sequence-sharded stream and an all-gather back)."""
+    parts = [fqn for fqn, style in built.items() if isinstance(style, styles.Whole)]
+    return frozenset(p for p in tp.rowwise() if any(p.startswith(f + ".") for f in parts))
 
 
 def _export(options: NoOptions, layout, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -206,20 +216,20 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     none of MLA's does, each sums its own, tp's row) or what runs
     whole (its gradient comes back replicated: a slice needs no exchange), and gathered back
     behind what a replicated layer's output was sliced from (backward); inside a part that runs
-    whole around split layers (the MoE block with a split shared expert) each rowwise layer's
-    output gathered back (forward) and each module's colwise linears' whole input gradient
-    summed (backward); a sequence-sharded norm's partial
+    whole around split layers (the MoE block with a split shared expert) each module's colwise
+    linears' whole input gradient summed (backward; its rowwise layers' all-reduces are tp's
+    rows); a sequence-sharded norm's partial
     weight gradient is summed by the strategy's reduction in each backward (without a
     strategy, dp * cp = 1, at the optimizer step: not listed). tp's rows are tp's."""
     built = _sequence_styles(model, inputs["tensor_parallel"])
     modules = dict(model.named_modules())
     recompute = inputs.get("activation_checkpointing")
-    gathering = (styles.GatherSequence, styles.Whole, styles.GatherOutput)
+    gathering = (styles.GatherSequence, styles.Whole)
     again = [fqn for fqn, s in built.items() if isinstance(s, gathering)
              and recompute.region(modules, fqn) is not None] if recompute is not None else []
-    gathers = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) for s in built.values())
+    gathers = sum(isinstance(s, gathering) for s in built.values())
     tp = inputs["tensor_parallel"]
-    partial = sum(isinstance(s, (styles.GatherSequence, styles.Whole)) and any(
+    partial = sum(isinstance(s, gathering) and any(
         styles.takes_module_input(linear, _rowwise_inside(fqn, tp, modules))
         for linear in s.linears) for fqn, s in built.items())
     scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole)) for s in built.values())
@@ -227,20 +237,10 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
              for p in modules[fqn].parameters()] if ctx.layout.dp * ctx.layout.cp > 1 else []
     size = batch.tokens * batch.hidden * batch.act_bytes
     mb = batch.micro_batches
-
-    def out_size(fqn: str) -> int:
-        return batch.tokens * getattr(modules[fqn], "out_features", batch.hidden) \
-            * batch.act_bytes
-
-    outputs = [fqn for fqn, s in built.items() if isinstance(s, styles.GatherOutput)]
-    gathered = len(again) + gathers + len(outputs)
-    gathered_bytes = sum(out_size(f) if isinstance(built[f], styles.GatherOutput) else size
-                         for f in again) + gathers * size + sum(map(out_size, outputs))
+    gathered = len(again) + gathers
     shared = [s.linears[0] for s in built.values() if isinstance(s, styles.ShareWholeInput)]
-    return (collective("all_gather", "tp", gathered * mb, gathered_bytes,
-                       "sequence-sharded activations into attention, MLP"
-                       + (", split layers' outputs inside a part run whole" if outputs else "")
-                       + " (forward"
+    return (collective("all_gather", "tp", gathered * mb, gathered * size,
+                       "sequence-sharded activations into attention, MLP (forward"
                        + (", again where a checkpointed block recomputes)" if again else ")"))
             + collective("reduce_scatter", "tp", partial * mb, partial * size,
                          "their gradients, summed over the linears inside (backward)")

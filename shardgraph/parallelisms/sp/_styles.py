@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._shared import KeepFrozenSequenceParallel, SharedInput, takes_module_input
 
-__all__ = ["GatherOutput", "GatherSequence", "KeepFrozenSequenceParallel", "ScatterSequence",
+__all__ = ["GatherSequence", "KeepFrozenSequenceParallel", "ScatterSequence",
            "ShareWholeInput", "Whole", "takes_module_input"]
 
 
@@ -71,35 +71,6 @@ class Whole(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         GatherSequence(self.linears)._apply(module, device_mesh)
         return ScatterSequence()._apply(module, device_mesh)
-
-
-class GatherOutput(ParallelStyle):
-    """Make whole again the output tp's rowwise layer reduced into ``placements`` (the residual
-    stream's, sharded) where it does not go to the residual stream: a shared expert's output,
-    which meets the routed experts' whole output inside the MoE block. Reduce-scatter then
-    all-gather is an all-reduce; backward, the whole gradient (the same on every rank) is
-    sliced, and tp's reduction gathers it."""
-
-    def __init__(self, placements):
-        super().__init__()
-        self.placements = tuple(placements)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def hook(mod, args, out):
-            if not isinstance(out, DTensor):
-                x = args[0] if args else None
-                # its global shape: the sharded dim need not divide evenly (a 2-D input's
-                # hidden size); a linear's input is a DTensor here, whole in every dim but the last
-                shape = stride = None
-                if isinstance(mod, nn.Linear) and isinstance(x, DTensor):
-                    shape = torch.Size((*x.shape[:-1], mod.out_features))
-                    stride = torch.empty(shape, device="meta").stride()
-                out = DTensor.from_local(out, device_mesh, self.placements, run_check=False,
-                                         shape=shape, stride=stride)
-            return out.redistribute(placements=[Replicate()]).to_local()
-
-        module.register_forward_hook(hook)
-        return module
 
 
 class ShareWholeInput(ParallelStyle):

@@ -349,7 +349,7 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
     adapters = inputs.get("low_rank_adapters")  # LoRA's: laid out beside their base linear
     config = getattr(model, "config", None)
     for fqn, style in resolved.matched.items():
-        built = styles.torch_style(style, modules[fqn], layout=layout,
+        built = styles.torch_style(style, modules[fqn], fqn=fqn, layout=layout,
                                    head=fqn == resolved.head, loss_parallel=options.loss_parallel,
                                    config=config)
         if built is None:
@@ -428,15 +428,16 @@ def _sharing(matched: dict[str, str], head: str | None,
 
 def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
-    """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted in
-    tests/test_collectives_counted.py): a rowwise layer's partial output is summed (reduce-scattered
-    along the sequence under sp, whose backward gathers the gradient back), and one that takes a
-    whole input (``rowwise_rep``, ``rowwise_split_input``) gathers its input's gradient in backward;
-    every colwise linear's input gradient is summed in backward: once for the module around those
-    that take its own input (attention, MLP: ``share_input_reduction``), under sp by sp's gather
-    (sp's rows); the head's (reduce-scattered under sp) and those of linears fed something else
-    (MLA's q_b_proj and kv_b_proj, after a norm; which ones, ``takes_module_input`` reads from
-    widths) each alone; a gathered colwise output (the logits unless ``loss_parallel``) is
+    """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted
+    in tests/test_collectives_counted.py): a rowwise layer's partial output is summed (under sp
+    reduce-scattered along the sequence, whose backward gathers the gradient back, unless sp
+    keeps it whole: ``SequenceSharding.whole``, all-reduced as without sp), and one that takes a
+    whole input (``rowwise_rep``, ``rowwise_split_input``) gathers its input's gradient in
+    backward; every colwise linear's input gradient is summed in backward: once for the module
+    around those that take its own input (attention, MLP: ``share_input_reduction``), under sp
+    by sp's gather (sp's rows); the head's (reduce-scattered under sp) and those of linears fed
+    something else (MLA's q_b_proj and kv_b_proj, after a norm; which ones,
+    ``takes_module_input`` reads from widths) each alone; a gathered colwise output (the logits unless ``loss_parallel``) is
     all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is
     all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``); under
     ``loss_parallel`` torch's cross-entropy on the vocabulary-sharded logits all-reduces three
@@ -446,12 +447,14 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     it saves a tensor (``_recomputed_rowwise``); sp's own gathers are sp's rows.
     A partial gradient is summed by the strategy's reduction in each backward; without a
     strategy (dp * cp = 1) at the gradient norm, not listed."""
-    sp = inputs.get("sequence_parallel") is not None
+    sequence = inputs.get("sequence_parallel")
+    sp = sequence is not None
+    kept_whole = sequence.whole if sp else frozenset()  # reduced replicated under sp too
     resolved = _resolve(model, options, ctx.tp_size)
     modules = dict(model.named_modules())
     mb, tokens, act = batch.micro_batches, batch.tokens, batch.act_bytes
-    rowwise = colwise = gathered = head_in = grads = rope = whole_in = 0
-    n_row = n_col = n_gather = n_grads = n_rope = n_whole = 0
+    rowwise = whole = colwise = gathered = head_in = grads = rope = split_in = 0
+    n_row = n_whole = n_col = n_gather = n_grads = n_rope = n_split_in = 0
     shared: dict[str, int] = {}  # module -> the bytes of its input gradient
     sharing = set(_sharing(resolved.matched, resolved.head, modules))
     gives_back: dict[str, list[nn.Module]] = {}  # module -> its rowwise linears
@@ -463,11 +466,15 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
         m = modules[fqn]
         if style in ROWWISE_STYLES:
             times = 2 if fqn in again else 1
-            n_row += times
-            rowwise += times * tokens * batch.hidden * act
+            if fqn in kept_whole:
+                n_whole += times
+                whole += times * tokens * batch.hidden * act
+            else:
+                n_row += times
+                rowwise += times * tokens * batch.hidden * act
             if style in ("rowwise_rep", "rowwise_split_input"):  # split here from a whole input
-                n_whole += 1
-                whole_in += tokens * m.in_features * act
+                n_split_in += 1
+                split_in += tokens * m.in_features * act
         elif style in COLWISE_STYLES:
             head = fqn == resolved.head
             parent = fqn.rpartition(".")[0]
@@ -492,17 +499,20 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                 grads += p.numel() * p.element_size()
     heads = int(head_in > 0)
     losses = int(options.loss_parallel and resolved.head in resolved.matched)
-    back = n_row - len(again)  # the backward mirrors each forward reduction once
+    back = n_row - len(again - kept_whole)  # the backward mirrors each forward scatter once
     return (collective("reduce_scatter" if sp else "all_reduce", "tp", n_row * mb, rowwise,
                        "rowwise layers' partial outputs (forward"
                        + (", again where a checkpointed block recomputes)" if again else ")"))
+            + collective("all_reduce", "tp", n_whole * mb, whole,
+                         "rowwise layers' partial outputs inside a part sp runs whole (forward"
+                         + (", again where a checkpointed block recomputes)" if again else ")"))
             + collective("all_gather", "tp", heads * mb, head_in,
                          "the LM head's sequence-sharded input (forward)")
             + collective("all_gather", "tp", n_gather * mb, gathered,
                          "gathered colwise outputs: the logits (forward)")
             + (collective("all_gather", "tp", back * mb, rowwise * back // n_row,
                           "rowwise layers' output gradients (backward)") if sp and n_row else [])
-            + collective("all_gather", "tp", n_whole * mb, whole_in,
+            + collective("all_gather", "tp", n_split_in * mb, split_in,
                          "input gradients of rowwise layers that split a whole input (backward)")
             + collective("all_reduce", "tp", len(shared) * mb, sum(shared.values()),
                          "input gradients of the modules around colwise linears (backward)")

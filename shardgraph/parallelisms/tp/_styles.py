@@ -132,14 +132,15 @@ def model_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def torch_style(
-    name: str, module: nn.Module, *, layout: TPLayout, head: bool, loss_parallel: bool,
+    name: str, module: nn.Module, *, fqn: str, layout: TPLayout, head: bool, loss_parallel: bool,
     config=None,
 ) -> ParallelStyle | None:
-    """The torch ``ParallelStyle`` for style ``name`` on ``module``.
+    """The torch ``ParallelStyle`` for style ``name`` on ``module`` (``fqn``).
 
     The LM head's logits are gathered (replicated) unless ``loss_parallel`` keeps them
     vocabulary-sharded (a DTensor for ``loss_parallel()``). The styles on the residual stream
-    read its placements from ``layout`` at every call (sp switches them after this step).
+    read its placements from ``layout`` at every call (sp switches them after this step), a
+    rowwise one its own (``layout.output_placements(fqn)``).
     ``config``: the model's, for the widths a style reads from it (``mla_kv_a_proj``'s).
     """
     if head and name in HEAD_STYLES:
@@ -150,11 +151,11 @@ def torch_style(
     if name in ("colwise_rep", "colwise_gather_output"):
         return ColwiseParallel(output_layouts=Replicate())
     if name == "embedding_rowwise" or (name == "rowwise" and isinstance(module, nn.Embedding)):
-        return ResidualRowwise(layout, input_layouts=Replicate())
+        return ResidualRowwise(layout, fqn, input_layouts=Replicate())
     if name == "rowwise":
-        return ResidualRowwise(layout)
+        return ResidualRowwise(layout, fqn)
     if name in ("rowwise_rep", "rowwise_split_input"):
-        return ResidualRowwise(layout, input_layouts=Replicate())
+        return ResidualRowwise(layout, fqn, input_layouts=Replicate())
     if name == "packed_colwise":
         return PackedColwiseParallel()
     if name == "sequence_parallel":
@@ -207,15 +208,16 @@ def _replicated(grad):
 
 class ResidualRowwise(RowwiseParallel):
     """Rowwise whose output goes to the residual stream: all-reduced, or reduce-scattered along
-    the sequence under sp."""
+    the sequence under sp; all-reduced under sp too where its output meets others inside a part
+    sp runs whole (``TPLayout.output_placements``)."""
 
-    def __init__(self, layout: TPLayout, **kwargs):
+    def __init__(self, layout: TPLayout, fqn: str, **kwargs):
         super().__init__(**kwargs)
-        self.layout = layout
+        self.layout, self.fqn = layout, fqn
 
     def _prepare_output_fn(self, _layouts, use_local_output, mod, outputs, device_mesh):
         return RowwiseParallel._prepare_output_fn(
-            self.layout.residual_placements(), use_local_output, mod, outputs, device_mesh)
+            self.layout.output_placements(self.fqn), use_local_output, mod, outputs, device_mesh)
 
 
 class ResidualHead(ColwiseParallel):
