@@ -172,3 +172,21 @@ def test_sp_reduces_a_shared_experts_output_in_one_all_reduce(counted):
     for cases in counted:
         assert cases["qwen2_moe_shared_expert_sp"]["measured"] == {
             ("all_gather", "tp"): (20, 81920), ("all_reduce", "tp"): (8, 32768)}
+
+
+def test_the_replica_sees_a_norm_read_after_the_rowwise_layer():
+    """tp reads which rowwise layers a checkpointed block runs again from one forward of a
+    replica of the model under FakeTensorMode: Gemma 2's post_feedforward_layernorm (registered
+    after the MLP like the norms that run before it) saves a tensor after down_proj, Llama's
+    residual add does not; a model not built from a config alone gives no reading."""
+    import torch.nn as nn
+
+    from shardgraph.parallelisms.tp._recompute import saved_by_end
+    from tests.models import tiny_gemma2, tiny_llama
+
+    gemma, llama = saved_by_end(tiny_gemma2()), saved_by_end(tiny_llama())
+    layer, down = "model.layers.0", "model.layers.0.mlp.down_proj"
+    assert gemma[layer] > gemma[down]
+    assert llama[layer] == llama[down]
+    assert llama[layer] > llama["model.layers.0.self_attn.o_proj"]  # the MLP saves after it
+    assert saved_by_end(nn.Linear(4, 4)) is None
