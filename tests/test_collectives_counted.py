@@ -1,10 +1,26 @@
-"""The dry run's collectives against what torch issues: a real gloo step of tp, sp and cp
+"""The dry run's collectives against what torch issues: a real gloo step of tp, sp, cp, ep and pp
 (with and without full and selective activation checkpointing; Llama, Qwen3, Qwen2-MoE,
-DeepSeek's MLA, Phi-3, Olmo 2 and Gemma 2; the training step's forward and backward of two
-micro-batches) counted at the dispatcher below DTensor (the collectives DTensor issues inside an
-op too), group by group, call by call and byte by byte, against the rows ``shardgraph dryrun``
-prints for the same plan (``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and
-the runtime's own reductions (token count, loss, gradient norm) are not compared here."""
+DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Qwen3-MoE and Mixtral; the training step's forward and
+backward of two micro-batches, or a pipeline schedule's whole batch in microbatches of one, then
+the pipeline's ``reduce_grads``) counted at the dispatcher below DTensor (the collectives DTensor
+issues inside an op too), group by group, call by call and byte by byte, against the rows
+``shardgraph dryrun`` prints for the same plan (``train/dryrun.collectives``). The strategy's
+rows (fsdp2, ddp) and the runtime's own reductions (token count, loss, gradient norm) are not
+compared here.
+
+What cannot be compared rank by rank, and how it is compared instead:
+
+- an all-to-all's bytes are counted as what the rank sends (its input); how many of its tokens a
+  rank sends to each peer, and so how many it gets back and computes, is the router's choice,
+  so only the ep group's sum is fixed: declared and measured bytes are compared summed over the
+  ranks of each ep group (calls still rank by rank);
+- torch's pipeline stages send each other their shapes in the first step of a batch shape
+  (shape inference) and the pipeline checks a tied weight's layout once: a pipeline runs one
+  uncounted step first, and the rows are a step's from the second on.
+
+p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
+``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
+is an argument; DTensor's and the functional collectives name their group."""
 
 from __future__ import annotations
 
@@ -72,16 +88,25 @@ CASES = {  # name -> (model, plan), world 2 and world 4
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }
-GROUPS = ("tp", "cp")
+GROUPS = ("tp", "cp", "ep", "pp")
+#: torch's op (its name without underscores) -> the dry run's. fsdp2's own c10d ops
+#: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: at world 2 its group
+#: is ep's too.
+OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+       "all_reduce": "all_reduce", "allreduce": "all_reduce", "all_to_all_single": "all_to_all",
+       "alltoall_base": "all_to_all", "send": "send/recv", "recv": "send/recv",
+       "broadcast": "broadcast"}
 
 
 def _counter():
     import torch
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        """(op, group name) -> [calls, bytes of the whole tensor] for every collective."""
+        """(op, group name) -> [calls, bytes of the whole tensor] for every collective (of an
+        all-to-all, what this rank sends)."""
 
         def __init__(self):
             super().__init__()
@@ -94,15 +119,17 @@ def _counter():
                 # Gemma's scaled embedding) come back here (as CommDebugMode does)
                 return NotImplemented
             out = func(*args, **(kwargs or {}))
-            name = func.overloadpacket.__name__.strip("_")
-            op = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor":
-                  "reduce_scatter", "all_reduce": "all_reduce", "allreduce": "all_reduce"}.get(name)
+            op = OPS.get(func.overloadpacket.__name__.strip("_"))
             if op is not None:
-                group = next(a if isinstance(a, str) else a.group_name for a in reversed(args)
-                             if isinstance(a, str) or hasattr(a, "group_name"))
-                tensors = [t for t in (args[0], out) for t in (t if isinstance(t, (list, tuple))
-                                                               else [t])
-                           if isinstance(t, torch.Tensor)]
+                bound = {a.name: v for a, v in zip(func._schema.arguments, args)}
+                bound.update(kwargs or {})
+                # functional collectives name their group, c10d's ops pass the group itself
+                group = bound.get("group_name") or dist.ProcessGroup.unbox(
+                    bound["process_group"]).group_name
+                # an all-to-all's input: what this rank sends (the router decides what it gets)
+                tensors = [bound["input"]] if op == "all_to_all" else [
+                    t for t in (args[0], out) for t in (t if isinstance(t, (list, tuple))
+                                                        else [t]) if isinstance(t, torch.Tensor)]
                 row = self.seen[op, group]
                 row[0] += 1
                 row[1] += max(t.numel() * t.element_size() for t in tensors)
@@ -112,18 +139,25 @@ def _counter():
 
 
 def run_cases(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
     from shardgraph.graphs.runtime import shift_labels
     from shardgraph.train.config import loads_pipeline
     from shardgraph.train.dryrun import collectives
-    from tests.models import (batch, tiny_gemma2, tiny_llama, tiny_mla, tiny_moe_shared_expert,
-                              tiny_olmo2, tiny_phi3, tiny_qwen3)
+    from tests.models import (batch, tiny_gemma2, tiny_llama, tiny_mixtral, tiny_mla,
+                              tiny_moe_shared_expert, tiny_olmo2, tiny_phi3, tiny_qwen3,
+                              tiny_qwen3_moe)
 
     out = {}
     for name, (model, plan_text) in CASES[world].items():
         plan = loads_pipeline(plan_text).graph.compile(world_size=world)
         ctx = plan.build_mesh("cpu")
         models = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2_moe": tiny_moe_shared_expert,
-                  "mla": tiny_mla, "olmo2": tiny_olmo2, "phi3": tiny_phi3, "gemma2": tiny_gemma2}
+                  "mla": tiny_mla, "olmo2": tiny_olmo2, "phi3": tiny_phi3, "gemma2": tiny_gemma2,
+                  "qwen3_moe": tiny_qwen3_moe,
+                  "mixtral": tiny_mixtral,
+                  "llama4": lambda: tiny_llama(layers=4),
+                  "llama_tied": lambda: tiny_llama(tie_word_embeddings=True)}
         parallel = plan.apply(models[model](), ctx)
         lay = ctx.layout
         pipeline = loads_pipeline(f"[data]\nseq_len = {SEQ}\n[train]\nglobal_batch_size = "
@@ -132,10 +166,21 @@ def run_cases(rank: int, world: int) -> dict:
         tokens = batch(global_batch=BATCH * (dp.size() if dp else 1), seq=SEQ)
         local = tokens.chunk(dp.size())[dp.get_local_rank()] if dp else tokens
         names = {ctx.mesh(g).get_group().group_name: g for g in GROUPS if getattr(lay, g) > 1}
+        members = {g: tuple(dist.get_process_group_ranks(ctx.mesh(g).get_group()))
+                   for g in names.values()}
+        # the training step's own path (runtime.py): a pipeline schedule takes the whole batch
+        # (its microbatches are the accumulation) and completes the gradients after it
+        runner = parallel.runner
+        passes = [local] if runner is not None else local.split(MICRO)
+        if runner is not None:  # its first step of a batch shape sends the stages' shapes too
+            parallel.forward_backward(local, shift_labels(local), parallel.token_loss())
+            runner.reduce_grads()
         count = _counter()
         with count:
-            for ids in local.split(MICRO):  # the training step's own path (runtime.py)
+            for ids in passes:
                 parallel.forward_backward(ids, shift_labels(ids), parallel.token_loss())
+            if runner is not None:
+                runner.reduce_grads()
         measured = {(op, names[g]): row for (op, g), row in count.seen.items() if g in names}
         declared = collections.defaultdict(lambda: [0, 0])
         for row in collectives(parallel, pipeline, plan, ctx):
@@ -143,7 +188,7 @@ def run_cases(rank: int, world: int) -> dict:
                 declared[row["op"], row["group"]][0] += row["count"]
                 declared[row["op"], row["group"]][1] += row["bytes"]
         out[name] = {"measured": {k: tuple(v) for k, v in measured.items()},
-                     "declared": {k: tuple(v) for k, v in declared.items()}}
+                     "declared": {k: tuple(v) for k, v in declared.items()}, "members": members}
     return out
 
 
@@ -152,12 +197,34 @@ def counted(request):
     return _dist.run(run_cases, request.param, timeout=240)
 
 
+def _per_rank(rows: dict) -> dict:
+    """The rows as one rank must match them: an all-to-all's calls, not its bytes (the
+    router's choice, compared over the group by ``_group_bytes``)."""
+    return {k: (calls, None) if k[0] == "all_to_all" else (calls, nbytes)
+            for k, (calls, nbytes) in rows.items()}
+
+
+def _group_bytes(counted: list, name: str, side: str) -> dict:
+    """(op, group, its ranks) -> the all-to-all bytes of ``side`` summed over those ranks."""
+    out = collections.Counter()
+    for cases in counted:
+        got = cases[name]
+        for (op, group), (_, nbytes) in got[side].items():
+            if op == "all_to_all":
+                out[op, group, got["members"][group]] += nbytes
+    return dict(out)
+
+
 @pytest.mark.multiprocess
-def test_the_dry_runs_tp_sp_and_cp_rows_are_what_torch_issues(counted):
+def test_the_dry_runs_rows_are_what_torch_issues(counted):
     for rank, cases in enumerate(counted):
         for name, got in cases.items():
             assert got["measured"], (rank, name)  # the counter saw the step's collectives
-            assert got["declared"] == got["measured"], (rank, name, got)
+            assert _per_rank(got["declared"]) == _per_rank(got["measured"]), (rank, name, got)
+    for name in counted[0]:
+        declared, measured = (_group_bytes(counted, name, side) for side in ("declared",
+                                                                               "measured"))
+        assert declared == measured, (name, declared, measured)
 
 
 @pytest.mark.multiprocess
