@@ -88,6 +88,20 @@ CASES = {  # name -> (model, plan), world 2 and world 4
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }
+# ep: the routed tokens' all-to-alls and the counts before them, recomputed or not; at world 4
+# over all four ranks, and over two (the experts' unit over ep_shard = 2)
+CASES[2].update({
+    "qwen3_moe_ep": ("qwen3_moe", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"),
+    "qwen3_moe_ep_ac": ("qwen3_moe", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"
+                                     "[plugins.activation_checkpointing]\n"),
+    "qwen3_moe_ep_ac_keep_router": ("qwen3_moe", "[plugins.ep]\nsize = 2\n"
+                                                 "ignore_router_for_ac = true\n[plugins.fsdp2]\n"
+                                                 "[plugins.activation_checkpointing]\n"),
+})
+CASES[4].update({
+    "mixtral_ep4": ("mixtral", "[plugins.ep]\nsize = 4\n[plugins.fsdp2]\n"),
+    "mixtral_ep2": ("mixtral", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"),
+})
 GROUPS = ("tp", "cp", "ep", "pp")
 #: torch's op (its name without underscores) -> the dry run's. fsdp2's own c10d ops
 #: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: at world 2 its group

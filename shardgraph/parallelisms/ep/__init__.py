@@ -129,16 +129,34 @@ def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[
 
 def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
+    """Per MoE layer and forward (``_dispatch``): the tokens per expert (int64 counts) go to every
+    ep rank, then the routed tokens go out and come back (dispatch, combine); backward sends their
+    gradients the same two ways. A block that full activation checkpointing recomputes runs its
+    forward's three again (a selective region keeps the collectives' outputs:
+    ``Recomputation.region`` names no region there). Bytes are what this rank sends: its own
+    tokens' assignments; what the combine sends back is the router's choice, equal on average."""
     from ._layers import moe_layers
 
     # top_k may differ by layer (transformers' per_layer_config); one that cannot be read
     # counts as 1, since an estimate is no reason to fail
     top_k = read_layer_values(getattr(model, "config", None), "num_experts_per_tok") or []
-    layers = moe_layers(model)
-    routed = sum(value_at(top_k, _layer_index(layer.fqn), 1) for layer in layers)
-    return collective("all_to_all", "ep", 4 * len(layers) * batch.micro_batches,
-                      4 * batch.tokens * routed * batch.hidden
-                      * batch.act_bytes, "MoE dispatch and combine, forward and backward")
+    recompute: Recomputation | None = inputs.get("activation_checkpointing")
+    modules = dict(model.named_modules()) if recompute is not None else {}
+    moved = moved_bytes = counts = counts_bytes = again = 0
+    for layer in moe_layers(model):
+        runs = 1 + (recompute is not None and recompute.region(modules, layer.fqn) is not None)
+        again += runs - 1
+        routed = batch.tokens * value_at(top_k, _layer_index(layer.fqn), 1)
+        moved += 2 * runs + 2
+        moved_bytes += (2 * runs + 2) * routed * batch.hidden * batch.act_bytes
+        counts += runs
+        counts_bytes += runs * layer.experts.num_experts * 8  # int64
+    mb = batch.micro_batches
+    recomputed = ", again where a checkpointed block recomputes" if again else ""
+    return (collective("all_to_all", "ep", moved * mb, moved_bytes,
+                       f"MoE dispatch and combine, forward and backward{recomputed}")
+            + collective("all_to_all", "ep", counts * mb, counts_bytes * mb,
+                         f"tokens per expert, before each dispatch{recomputed}"))
 
 
 def _layer_index(fqn: str) -> int | None:
