@@ -102,6 +102,10 @@ CASES[4].update({
     "mixtral_ep4": ("mixtral", "[plugins.ep]\nsize = 4\n[plugins.fsdp2]\n"),
     "mixtral_ep2": ("mixtral", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"),
 })
+# a selective checkpoint keeps the outputs of ep's all-to-alls, the counts' among them
+CASES[2]["qwen3_moe_ep_selective_ac"] = ("qwen3_moe", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"
+                                                      "[plugins.activation_checkpointing]\n"
+                                                      "mode = 'selective'\n")
 GROUPS = ("tp", "cp", "ep", "pp")
 #: torch's op (its name without underscores) -> the dry run's. fsdp2's own c10d ops
 #: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: at world 2 its group

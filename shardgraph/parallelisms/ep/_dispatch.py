@@ -9,10 +9,13 @@ routing weights are applied on the token's own rank, so the router's gradient st
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import (
+    all_to_all_single,
+    all_to_all_single_autograd,
+    wait_tensor,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -64,9 +67,10 @@ def _forward(
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)
     counts = torch.bincount(expert_ids, minlength=self.num_experts)
-    # How many rows each peer sends me, per local expert: (ep, local_experts), peer-major.
-    counts_in = torch.empty_like(counts)
-    dist.all_to_all_single(counts_in, counts, group=mesh.get_group())
+    # How many rows each peer sends me, per local expert: (ep, local_experts), peer-major. A
+    # functional collective, as the tokens' are: a selective checkpoint keeps its output instead
+    # of exchanging the counts again when it recomputes the block.
+    counts_in = wait_tensor(all_to_all_single(counts, None, None, mesh))
     # The split sizes must be Python ints: one host copy for all of them.
     sending, receiving = torch.stack([counts, counts_in]).view(2, ep, local_experts).tolist()
     send_splits = [sum(per_peer) for per_peer in sending]
