@@ -106,6 +106,15 @@ CASES[4].update({
 CASES[2]["qwen3_moe_ep_selective_ac"] = ("qwen3_moe", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"
                                                       "[plugins.activation_checkpointing]\n"
                                                       "mode = 'selective'\n")
+# pp: four microbatches of one sequence, one stage per rank (1F1B, tied embeddings too) or two
+# (looped: interleaved 1F1B, zero bubble; a V)
+CASES[2].update({
+    "llama_pp_1f1b": ("llama", "[plugins.pp]\nsize = 2\n"),
+    "llama_tied_pp_1f1b": ("llama_tied", "[plugins.pp]\nsize = 2\n"),
+    "llama4_pp_interleaved": ("llama4", "[plugins.pp]\nsize = 2\nschedule = 'interleaved_1f1b'\n"),
+    "llama4_pp_zero_bubble": ("llama4", "[plugins.pp]\nsize = 2\nschedule = 'zero_bubble'\n"),
+    "llama4_pp_v": ("llama4", "[plugins.pp]\nsize = 2\nschedule = 'v_schedule'\n"),
+})
 GROUPS = ("tp", "cp", "ep", "pp")
 #: torch's op (its name without underscores) -> the dry run's. fsdp2's own c10d ops
 #: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: at world 2 its group

@@ -278,12 +278,36 @@ def _apply(model, options: PPOptions, ctx, inputs):
 
 
 def _collectives(model, options: PPOptions, ctx, inputs, batch: BatchShape) -> list[dict]:
+    """What this rank's stages (its own ``pipeline_parallel`` value) issue over pp in a step:
+    each microbatch's activations cross every boundary between one of its stages and a
+    neighbour on another rank (a V's middle boundary stays on one rank), forward one way and
+    their gradients back; the last stage's rank broadcasts the step's loss; a weight tied
+    across the first and the last stage (an input embedding and the LM head) has its gradient
+    summed between their ranks once a step (the pp group at pp = 2, else a group of the two)."""
+    from ._split import placement
+
+    pipeline = inputs["pipeline_parallel"]
     micro = batch.local_batch // options.microbatch_size
     # under sp a stage sends the residual stream as it holds it: sharded along the sequence
     seq = batch.seq_len // (ctx.layout.tp if inputs.get("sequence_parallel") else 1)
-    return collective("send/recv", "pp", 2 * micro, 2 * micro * options.microbatch_size
-                      * seq * batch.hidden * batch.act_bytes,
-                      "activations forward and their gradients backward, per stage boundary")
+    owner = placement(pipeline.n_stages, ctx.pp_size, pipeline.schedule_spec.v_shape)
+    crossings = sum(owner[t] != owner[s] for s in pipeline.stage_ids for t in (s - 1, s + 1)
+                    if 0 <= t < pipeline.n_stages)
+    tied = pipeline.tied.params() if pipeline.tied is not None else []
+    return (collective("send/recv", "pp", 2 * micro * crossings, 2 * micro * crossings
+                       * options.microbatch_size * seq * batch.hidden * batch.act_bytes,
+                       "activations forward and their gradients backward, per stage boundary")
+            + collective("broadcast", "pp", batch.micro_batches, 4 * batch.micro_batches,
+                         "the step's loss, from the last stage's rank")
+            + collective("all_reduce", "pp", len(tied), sum(_local_bytes(p) for p in tied),
+                         "the tied weight's gradient, first and last stage"))
+
+
+def _local_bytes(param) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.numel() * local.element_size()
 
 
 #: schedules whose forwards all run before any backward
@@ -329,7 +353,8 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     collectives=_collectives,
-    reads={"sequence_parallel"},  # only to count the bytes a stage sends
+    # only to count what a stage sends: the sequence sharding, and its own stages' placement
+    reads={"sequence_parallel", "pipeline_parallel"},
     cost=_cost,
     provides_with=_provides_with,
     keeps_fqns=False,
