@@ -20,7 +20,11 @@ What cannot be compared rank by rank, and how it is compared instead:
 
 p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
 ``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
-is an argument; DTensor's and the functional collectives name their group."""
+is an argument; DTensor's and the functional collectives name their group. A group is told by
+its ranks, not its name: the cases share one process, and torch may run a case's collectives on
+a group of the same ranks that an earlier case created (after qwen3_cp_tp_sp, some of the next
+Qwen3 case's tp all-reduces ran on that case's tp group; clearing DTensor's sharding cache
+between cases did not change it)."""
 
 from __future__ import annotations
 
@@ -128,12 +132,13 @@ OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_
 def _counter():
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import _resolve_process_group
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        """(op, group name) -> [calls, bytes of the whole tensor] for every collective (of an
-        all-to-all, what this rank sends)."""
+        """(op, the group's ranks) -> [calls, bytes of the whole tensor] for every collective
+        (of an all-to-all, what this rank sends)."""
 
         def __init__(self):
             super().__init__()
@@ -151,13 +156,14 @@ def _counter():
                 bound = {a.name: v for a, v in zip(func._schema.arguments, args)}
                 bound.update(kwargs or {})
                 # functional collectives name their group, c10d's ops pass the group itself
-                group = bound.get("group_name") or dist.ProcessGroup.unbox(
-                    bound["process_group"]).group_name
+                group = (dist.ProcessGroup.unbox(bound["process_group"])
+                         if "process_group" in bound
+                         else _resolve_process_group(bound["group_name"]))
                 # an all-to-all's input: what this rank sends (the router decides what it gets)
                 tensors = [bound["input"]] if op == "all_to_all" else [
                     t for t in (args[0], out) for t in (t if isinstance(t, (list, tuple))
                                                         else [t]) if isinstance(t, torch.Tensor)]
-                row = self.seen[op, group]
+                row = self.seen[op, tuple(dist.get_process_group_ranks(group))]
                 row[0] += 1
                 row[1] += max(t.numel() * t.element_size() for t in tensors)
             return out
@@ -192,9 +198,9 @@ def run_cases(rank: int, world: int) -> dict:
         dp = ctx.mesh("dp") if lay.dp > 1 else None
         tokens = batch(global_batch=BATCH * (dp.size() if dp else 1), seq=SEQ)
         local = tokens.chunk(dp.size())[dp.get_local_rank()] if dp else tokens
-        names = {ctx.mesh(g).get_group().group_name: g for g in GROUPS if getattr(lay, g) > 1}
         members = {g: tuple(dist.get_process_group_ranks(ctx.mesh(g).get_group()))
-                   for g in names.values()}
+                   for g in GROUPS if getattr(lay, g) > 1}
+        axes = {ranks: g for g, ranks in members.items()}
         # the training step's own path (runtime.py): a pipeline schedule takes the whole batch
         # (its microbatches are the accumulation) and completes the gradients after it
         runner = parallel.runner
@@ -208,7 +214,7 @@ def run_cases(rank: int, world: int) -> dict:
                 parallel.forward_backward(ids, shift_labels(ids), parallel.token_loss())
             if runner is not None:
                 runner.reduce_grads()
-        measured = {(op, names[g]): row for (op, g), row in count.seen.items() if g in names}
+        measured = {(op, axes[r]): row for (op, r), row in count.seen.items() if r in axes}
         declared = collections.defaultdict(lambda: [0, 0])
         for row in collectives(parallel, pipeline, plan, ctx):
             if row["group"] in GROUPS:
