@@ -119,6 +119,17 @@ CASES[2].update({
     "llama4_pp_zero_bubble": ("llama4", "[plugins.pp]\nsize = 2\nschedule = 'zero_bubble'\n"),
     "llama4_pp_v": ("llama4", "[plugins.pp]\nsize = 2\nschedule = 'v_schedule'\n"),
 })
+# LoRA on every linear but the head (as peft's all-linear) under tp: each adapter's replicated
+# factor sums its partial gradient; the frozen embedding and what the first block's attention
+# takes in get no gradient, nor do Qwen3's frozen q/k norms
+LORA = "[plugins.lora]\nrank = 4\nalpha = 8.0\nmatch_all_linear = true\n"
+CASES[2].update({
+    "llama_lora_tp": ("llama", LORA + "[plugins.tp]\nsize = 2\n"),
+    "llama_lora_tp_sp": ("llama", LORA + "[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
+    "llama_lora_tp_sp_ac": ("llama", LORA + "[plugins.tp]\nsize = 2\n[plugins.sp]\n"
+                                            "[plugins.activation_checkpointing]\n"),
+})
+CASES[4]["qwen3_lora_tp_fsdp2"] = ("qwen3", LORA + "[plugins.tp]\nsize = 2\n[plugins.fsdp2]\n")
 GROUPS = ("tp", "cp", "ep", "pp")
 #: torch's op (its name without underscores) -> the dry run's. fsdp2's own c10d ops
 #: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: at world 2 its group

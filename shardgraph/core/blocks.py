@@ -1,9 +1,10 @@
 """Finding a model's transformer blocks: the unit FSDP wraps and checkpointing recomputes; its
-embeddings; whether its attention is causal."""
+embeddings; whether its attention is causal; where backward carries a gradient."""
 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -117,3 +118,23 @@ def attends_both_ways(model: nn.Module) -> BothWays | None:
     more = f" and {len(both) - 1} more" if len(both) > 1 else ""
     return BothWays(f"(its attention layers are built non-causal: {both[0]}.is_causal = False"
                     f"{more})")
+
+
+def gradient_reaches(model: nn.Module) -> Callable[..., bool]:
+    """``reaches(fqn, through=False)``: whether backward carries a gradient to the input of the
+    module at ``fqn`` (``through``: to its output, its own parameters counted), which is where
+    tp and sp sum and gather gradients. It does when a parameter that requires one comes
+    before the module (or, ``through``, in it): modules are taken to run in the order their
+    parameters are registered, as HF's models do (embeddings, layers, norm, head). With a
+    frozen base (LoRA's) the embedding and the first block's input get none. A module without
+    parameters is reached when any parameter requires a gradient."""
+    order = [(name, p.requires_grad) for name, p in model.named_parameters()]
+    first = next((i for i, (_, trained) in enumerate(order) if trained), len(order))
+
+    def reaches(fqn: str, through: bool = False) -> bool:
+        own = [i for i, (name, _) in enumerate(order) if name.startswith(fqn + ".")]
+        if not own:
+            return first < len(order)
+        return first <= own[-1] if through else first < own[0]
+
+    return reaches

@@ -28,7 +28,7 @@ import attrs
 
 from ...core.axes import Axis
 from ...core.costs import Cost
-from ...core.blocks import blocks_violation, find_blocks, input_embeddings
+from ...core.blocks import blocks_violation, find_blocks, gradient_reaches, input_embeddings
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
 from ...core.values import Applied, BatchShape, SequenceSharding, TPLayout, collective
@@ -220,7 +220,9 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     linears' whole input gradient summed (backward; its rowwise layers' all-reduces are tp's
     rows); a sequence-sharded norm's partial
     weight gradient is summed by the strategy's reduction in each backward (without a
-    strategy, dp * cp = 1, at the optimizer step: not listed). tp's rows are tp's."""
+    strategy, dp * cp = 1, at the optimizer step: not listed); nothing is summed or gathered
+    back where no gradient goes (a frozen base's first block: ``core.blocks.gradient_reaches``).
+    tp's rows are tp's."""
     built = _sequence_styles(model, inputs["tensor_parallel"])
     modules = dict(model.named_modules())
     recompute = inputs.get("activation_checkpointing")
@@ -229,16 +231,20 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
              and recompute.region(modules, fqn) is not None] if recompute is not None else []
     gathers = sum(isinstance(s, gathering) for s in built.values())
     tp = inputs["tensor_parallel"]
-    partial = sum(isinstance(s, gathering) and any(
+    reaches = gradient_reaches(model)  # a frozen start (LoRA's base) sends no gradient back
+    partial = sum(isinstance(s, gathering) and reaches(fqn) and any(
         styles.takes_module_input(linear, _rowwise_inside(fqn, tp, modules))
         for linear in s.linears) for fqn, s in built.items())
-    scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole)) for s in built.values())
+    scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole))
+                   and reaches(fqn, through=True) for fqn, s in built.items())
     norms = [p for fqn, s in built.items() if isinstance(s, styles.KeepFrozenSequenceParallel)
-             for p in modules[fqn].parameters()] if ctx.layout.dp * ctx.layout.cp > 1 else []
+             for p in modules[fqn].parameters() if p.requires_grad] \
+        if ctx.layout.dp * ctx.layout.cp > 1 else []
     size = batch.tokens * batch.hidden * batch.act_bytes
     mb = batch.micro_batches
     gathered = len(again) + gathers
-    shared = [s.linears[0] for s in built.values() if isinstance(s, styles.ShareWholeInput)]
+    shared = [s.linears[0] for fqn, s in built.items() if isinstance(s, styles.ShareWholeInput)
+              and reaches(fqn)]
     return (collective("all_gather", "tp", gathered * mb, gathered * size,
                        "sequence-sharded activations into attention, MLP (forward"
                        + (", again where a checkpointed block recomputes)" if again else ")"))

@@ -38,9 +38,9 @@ from ...core.axes import Axis
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation, choices_hint, did_you_mean
 from ...core.lazy import lazy_module
-from ...core.blocks import output_embeddings
-from ...core.values import (COLWISE_STYLES, ROWWISE_STYLES, Applied, BatchShape, Recomputation,
-                             TPLayout, collective)
+from ...core.blocks import gradient_reaches, output_embeddings
+from ...core.values import (COLWISE_STYLES, ROWWISE_STYLES, Applied, BatchShape,
+                             LowRankAdapters, Recomputation, TPLayout, collective)
 from ...plugins import Kind, Plugin
 from . import _config
 
@@ -446,15 +446,20 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     backward reads (torch's checkpoint stops there): those of its rowwise layers after which
     it saves a tensor (``_recomputed_rowwise``); sp's own gathers are sp's rows.
     A partial gradient is summed by the strategy's reduction in each backward; without a
-    strategy (dp * cp = 1) at the gradient norm, not listed."""
+    strategy (dp * cp = 1) at the gradient norm, not listed. Low-rank adapters beside a split
+    linear sum the partial gradient of their whole factor (``_replicated_factor``). Backward
+    sums and gathers nothing where no gradient goes (``core.blocks.gradient_reaches``): under a
+    frozen base (LoRA's) the embedding and the first block's input get none."""
     sequence = inputs.get("sequence_parallel")
     sp = sequence is not None
     kept_whole = sequence.whole if sp else frozenset()  # reduced replicated under sp too
     resolved = _resolve(model, options, ctx.tp_size)
     modules = dict(model.named_modules())
     mb, tokens, act = batch.micro_batches, batch.tokens, batch.act_bytes
-    rowwise = whole = colwise = gathered = head_in = grads = rope = split_in = 0
-    n_row = n_whole = n_col = n_gather = n_grads = n_rope = n_split_in = 0
+    reaches = gradient_reaches(model)
+    rowwise = whole = colwise = gathered = head_in = grads = rope = split_in = adapted = 0
+    n_row = n_whole = n_col = n_gather = n_grads = n_rope = n_split_in = n_back = 0
+    n_adapted = 0
     shared: dict[str, int] = {}  # module -> the bytes of its input gradient
     sharing = set(_sharing(resolved.matched, resolved.head, modules))
     gives_back: dict[str, list[nn.Module]] = {}  # module -> its rowwise linears
@@ -472,8 +477,9 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
             else:
                 n_row += times
                 rowwise += times * tokens * batch.hidden * act
-            if style in ("rowwise_rep", "rowwise_split_input"):  # split here from a whole input
-                n_split_in += 1
+                n_back += reaches(fqn, through=True)  # its output's gradient, gathered back
+            if style in ("rowwise_rep", "rowwise_split_input") and reaches(fqn):
+                n_split_in += 1  # split here from a whole input
                 split_in += tokens * m.in_features * act
         elif style in COLWISE_STYLES:
             head = fqn == resolved.head
@@ -481,25 +487,30 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
             if head and sp:
                 head_in += tokens * m.in_features * act
             elif parent in sharing and styles.takes_module_input(m, gives_back.get(parent, [])):
-                if not sp:  # the module around it sums its linears' input gradients once
+                if not sp and reaches(parent):  # the module around it sums its linears' once
                     shared[parent] = tokens * m.in_features * act
-            elif not sp or parent in sharing:  # it sums its own
+            elif (not sp or parent in sharing) and reaches(fqn):  # it sums its own
                 n_col += 1
                 colwise += tokens * m.in_features * act
             if style != "colwise" and style != "packed_colwise" and not (
                     head and options.loss_parallel):
                 n_gather += 1
                 gathered += tokens * m.out_features * act
-        elif style == "mla_kv_a_proj":
+        elif style == "mla_kv_a_proj" and reaches(fqn, through=True):
             n_rope += 1
             rope += tokens * _config.rope_width(model.config) * act
         elif style == "replicated_with_grad_allreduce" and ctx.layout.dp * ctx.layout.cp > 1:
             for p in m.parameters():
-                n_grads += 1
-                grads += p.numel() * p.element_size()
+                if p.requires_grad:  # a frozen one (LoRA's base) has no gradient to sum
+                    n_grads += 1
+                    grads += p.numel() * p.element_size()
+        factor = _replicated_factor(m, style, inputs.get("low_rank_adapters"), fqn)
+        if factor is not None:
+            n_adapted += 1
+            adapted += factor.numel() * factor.element_size()
     heads = int(head_in > 0)
     losses = int(options.loss_parallel and resolved.head in resolved.matched)
-    back = n_row - len(again - kept_whole)  # the backward mirrors each forward scatter once
+    heads_back = int(heads and reaches(resolved.head))
     return (collective("reduce_scatter" if sp else "all_reduce", "tp", n_row * mb, rowwise,
                        "rowwise layers' partial outputs (forward"
                        + (", again where a checkpointed block recomputes)" if again else ")"))
@@ -510,8 +521,8 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                          "the LM head's sequence-sharded input (forward)")
             + collective("all_gather", "tp", n_gather * mb, gathered,
                          "gathered colwise outputs: the logits (forward)")
-            + (collective("all_gather", "tp", back * mb, rowwise * back // n_row,
-                          "rowwise layers' output gradients (backward)") if sp and n_row else [])
+            + (collective("all_gather", "tp", n_back * mb, n_back * tokens * batch.hidden * act,
+                          "rowwise layers' output gradients (backward)") if sp else [])
             + collective("all_gather", "tp", n_split_in * mb, split_in,
                          "input gradients of rowwise layers that split a whole input (backward)")
             + collective("all_reduce", "tp", len(shared) * mb, sum(shared.values()),
@@ -520,13 +531,28 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                          "other colwise linears' input gradients (backward)")
             + collective("all_reduce", "tp", n_rope * mb, rope,
                          "the gradient of MLA's rope key, shared by every head (backward)")
-            + collective("reduce_scatter", "tp", heads * mb, head_in,
+            + collective("reduce_scatter", "tp", heads_back * mb, heads_back * head_in,
                          "the LM head's input gradient (backward)")
             + collective("all_reduce", "tp", n_grads * mb, mb * grads,
                          "partial gradients of replicated parameters (backward)")
             + collective("all_reduce", "tp", 3 * losses * mb, 3 * losses * tokens * act,
                          "the vocabulary-parallel loss: each token's largest logit, sum of "
-                         "exponentials and label's logit (forward)"))
+                         "exponentials and label's logit (forward)")
+            + collective("all_reduce", "tp", n_adapted * mb, mb * adapted,
+                         "partial gradients of low-rank adapters' replicated factors (backward)"))
+
+
+def _replicated_factor(module: nn.Module, style: str, adapters: LowRankAdapters | None,
+                       fqn: str):
+    """The weight of the adapter factor of a split linear that stays whole (colwise: ``down``,
+    rowwise: ``up``): its gradient is partial over tp, summed whole by ``_styles``' hook (a
+    data-parallel shard of it is unsharded then: its full size is summed)."""
+    if adapters is None or not adapters.adapted(fqn) or style in styles.PLAIN_PARAMETERS:
+        return None
+    down, up = adapters.split(styles.WEIGHT_DIM.get(style))
+    if (down is None) == (up is None):  # both whole: each rank's gradient is whole too
+        return None
+    return getattr(module, adapters.down if down is None else adapters.up).weight
 
 
 def _loss_context(options: TPOptions):

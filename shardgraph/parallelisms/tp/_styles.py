@@ -171,8 +171,8 @@ def torch_style(
 
 
 #: style -> the dim of the weight it shards (0: outputs, 1: inputs) for the adapters beside it
-_WEIGHT_DIM = {"colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "packed_colwise": 0,
-               "rowwise": 1, "rowwise_rep": 1, "rowwise_split_input": 1}
+WEIGHT_DIM = {"colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "packed_colwise": 0,
+              "rowwise": 1, "rowwise_rep": 1, "rowwise_split_input": 1}
 
 
 def distribute_adapters(children: dict[str, nn.Module], adapters, style: str,
@@ -180,7 +180,7 @@ def distribute_adapters(children: dict[str, nn.Module], adapters, style: str,
     """Lay out the adapters of a linear sharded by ``style`` (``core.values.LowRankAdapters``):
     split where ``adapters.split`` says, replicated elsewhere. A fused ``[gate; up]`` output is
     split as the base is, each rank keeping its slice of both halves."""
-    down, up = adapters.split(_WEIGHT_DIM.get(style))
+    down, up = adapters.split(WEIGHT_DIM.get(style))
     for name, dim in ((adapters.down, down), (adapters.up, up)):
         child = children[name]
         if dim is None:
