@@ -130,6 +130,11 @@ CASES[2].update({
                                             "[plugins.activation_checkpointing]\n"),
 })
 CASES[4]["qwen3_lora_tp_fsdp2"] = ("qwen3", LORA + "[plugins.tp]\nsize = 2\n[plugins.fsdp2]\n")
+# pp with tp and sp, and with cp: the layers of each stage run once per microbatch
+CASES[4].update({
+    "llama_pp_tp_sp": ("llama", "[plugins.pp]\nsize = 2\n[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
+    "llama_pp_cp": ("llama", "[plugins.pp]\nsize = 2\n[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n"),
+})
 GROUPS = ("tp", "cp", "ep", "pp")
 #: torch's op (its name without underscores) -> the dry run's. fsdp2's own c10d ops
 #: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: at world 2 its group

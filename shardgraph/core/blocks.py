@@ -126,8 +126,9 @@ def gradient_reaches(model: nn.Module) -> Callable[..., bool]:
     tp and sp sum and gather gradients. It does when a parameter that requires one comes
     before the module (or, ``through``, in it): modules are taken to run in the order their
     parameters are registered, as HF's models do (embeddings, layers, norm, head). With a
-    frozen base (LoRA's) the embedding and the first block's input get none. A module without
-    parameters is reached when any parameter requires a gradient."""
+    frozen base (LoRA's) the embedding and the first block's input get none. The first module
+    takes the model's input, which may want one (a later pipeline stage's: it is sent back),
+    and a module without parameters is reached when any parameter requires a gradient."""
     order = [(name, p.requires_grad) for name, p in model.named_parameters()]
     first = next((i for i, (_, trained) in enumerate(order) if trained), len(order))
 
@@ -135,6 +136,6 @@ def gradient_reaches(model: nn.Module) -> Callable[..., bool]:
         own = [i for i, (name, _) in enumerate(order) if name.startswith(fqn + ".")]
         if not own:
             return first < len(order)
-        return first <= own[-1] if through else first < own[0]
+        return first <= own[-1] if through else own[0] == 0 or first < own[0]
 
     return reaches

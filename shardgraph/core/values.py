@@ -365,6 +365,10 @@ class BatchShape:
     seq_len: int  # tokens of each sequence this rank holds (the sequence over cp)
     hidden: int  # the model's hidden size (activations exchanged between ranks)
     act_bytes: int = 4  # bytes per activation element
+    #: forward/backward runs of each layer per step: the passes, or where a pipeline schedule
+    #: takes the whole batch in one pass, its microbatches
+    forwards: int = attrs.field(default=attrs.Factory(lambda self: self.micro_batches,
+                                                      takes_self=True))
 
     @property
     def tokens(self) -> int:

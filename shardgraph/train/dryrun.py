@@ -93,12 +93,14 @@ def collectives(parallel, pipeline: Pipeline, plan, ctx) -> list[dict[str, Any]]
     local_batch = t.global_batch_size // max(lay.dp, 1)
     config = getattr(parallel.module, "config", None)
     # A step runner (a pipeline schedule) takes the whole local batch in one pass: its own
-    # microbatches are its accumulation, and the units it runs gather and reduce once a step.
-    passes = 1 if parallel.runner is not None else local_batch // (t.micro_batch_size
-                                                                   or local_batch)
+    # microbatches are its accumulation, and the units it runs gather and reduce once a step;
+    # its layers still run once per microbatch.
+    runner = parallel.runner
+    passes = 1 if runner is not None else local_batch // (t.micro_batch_size or local_batch)
     batch = BatchShape(local_batch=local_batch, micro_batches=passes,
                        seq_len=pipeline.data.seq_len // max(lay.cp, 1),
-                       hidden=getattr(config, "hidden_size", 0), act_bytes=torch.float32.itemsize)
+                       hidden=getattr(config, "hidden_size", 0), act_bytes=torch.float32.itemsize,
+                       forwards=local_batch // runner.microbatch_size if runner else passes)
     rows: list[dict[str, Any]] = []
     for step in plan.steps:
         plugin = plan.registry.get(step.plugin)

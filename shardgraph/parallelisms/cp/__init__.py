@@ -300,7 +300,7 @@ def _collectives(model: nn.Module, options: CPOptions, ctx: MeshContext, inputs:
               for fqn in layers}
     again = sum(widths[fqn] for fqn in redone)
     one = 2 * batch.tokens * ctx.layout.cp * batch.act_bytes  # K and V, per unit of width
-    mb = batch.micro_batches
+    mb = batch.forwards
     every = sum(widths.values())
     return (collective("all_gather", "cp", 2 * (len(layers) + len(redone)) * mb,
                        (every + again) * one, "attention K and V (forward"

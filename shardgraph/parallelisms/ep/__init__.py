@@ -151,7 +151,7 @@ def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs:
         moved_bytes += (2 * runs + 2) * routed * batch.hidden * batch.act_bytes
         counts += runs
         counts_bytes += runs * layer.experts.num_experts * 8  # int64
-    mb = batch.micro_batches
+    mb = batch.forwards
     recomputed = ", again where a checkpointed block recomputes" if again else ""
     return (collective("all_to_all", "ep", moved * mb, moved_bytes,
                        f"MoE dispatch and combine, forward and backward{recomputed}")

@@ -241,7 +241,7 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
              for p in modules[fqn].parameters() if p.requires_grad] \
         if ctx.layout.dp * ctx.layout.cp > 1 else []
     size = batch.tokens * batch.hidden * batch.act_bytes
-    mb = batch.micro_batches
+    mb = batch.forwards
     gathered = len(again) + gathers
     shared = [s.linears[0] for fqn, s in built.items() if isinstance(s, styles.ShareWholeInput)
               and reaches(fqn)]

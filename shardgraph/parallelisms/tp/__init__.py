@@ -455,7 +455,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     kept_whole = sequence.whole if sp else frozenset()  # reduced replicated under sp too
     resolved = _resolve(model, options, ctx.tp_size)
     modules = dict(model.named_modules())
-    mb, tokens, act = batch.micro_batches, batch.tokens, batch.act_bytes
+    mb, tokens, act = batch.forwards, batch.tokens, batch.act_bytes
     reaches = gradient_reaches(model)
     rowwise = whole = colwise = gathered = head_in = grads = rope = split_in = adapted = 0
     n_row = n_whole = n_col = n_gather = n_grads = n_rope = n_split_in = n_back = 0
