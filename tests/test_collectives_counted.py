@@ -1,9 +1,10 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp, cp, ep and pp
-(with and without full and selective activation checkpointing; Llama, Qwen3, Qwen2-MoE,
-DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Qwen3-MoE and Mixtral; the training step's forward and
-backward of two micro-batches, or a pipeline schedule's whole batch in microbatches of one, then
-the pipeline's ``reduce_grads``) counted at the dispatcher below DTensor (the collectives DTensor
-issues inside an op too), group by group, call by call and byte by byte, against the rows
+(alone and together, with and without full and selective activation checkpointing, with LoRA's
+adapters under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Qwen3-MoE and
+Mixtral; the training step's forward and backward of two micro-batches, or a pipeline schedule's
+whole batch in microbatches of one, then the pipeline's ``reduce_grads``) counted at the
+dispatcher below DTensor (the collectives DTensor issues inside an op too), group by group, call
+by call and byte by byte, against the rows
 ``shardgraph dryrun`` prints for the same plan (``train/dryrun.collectives``). The strategy's
 rows (fsdp2, ddp) and the runtime's own reductions (token count, loss, gradient norm) are not
 compared here.
@@ -137,8 +138,8 @@ CASES[4].update({
 })
 GROUPS = ("tp", "cp", "ep", "pp")
 #: torch's op (its name without underscores) -> the dry run's. fsdp2's own c10d ops
-#: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: at world 2 its group
-#: is ep's too.
+#: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: its group may hold
+#: the ranks of ep's or cp's.
 OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
        "all_reduce": "all_reduce", "allreduce": "all_reduce", "all_to_all_single": "all_to_all",
        "alltoall_base": "all_to_all", "send": "send/recv", "recv": "send/recv",
@@ -217,6 +218,7 @@ def run_cases(rank: int, world: int) -> dict:
         members = {g: tuple(dist.get_process_group_ranks(ctx.mesh(g).get_group()))
                    for g in GROUPS if getattr(lay, g) > 1}
         axes = {ranks: g for g, ranks in members.items()}
+        assert len(axes) == len(members), members  # each axis told apart by its ranks
         # the training step's own path (runtime.py): a pipeline schedule takes the whole batch
         # (its microbatches are the accumulation) and completes the gradients after it
         runner = parallel.runner
