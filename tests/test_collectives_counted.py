@@ -4,10 +4,9 @@ adapters under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma
 Mixtral; the training step's forward and backward of two micro-batches, or a pipeline schedule's
 whole batch in microbatches of one, then the pipeline's ``reduce_grads``) counted at the
 dispatcher below DTensor (the collectives DTensor issues inside an op too), group by group, call
-by call and byte by byte, against the rows
-``shardgraph dryrun`` prints for the same plan (``train/dryrun.collectives``). The strategy's
-rows (fsdp2, ddp) and the runtime's own reductions (token count, loss, gradient norm) are not
-compared here.
+by call and byte by byte, against the rows ``shardgraph dryrun`` prints for the same plan
+(``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the runtime's own
+reductions (token count, loss, gradient norm) are not compared here.
 
 What cannot be compared rank by rank, and how it is compared instead:
 
@@ -18,6 +17,14 @@ What cannot be compared rank by rank, and how it is compared instead:
 - torch's pipeline stages send each other their shapes in the first step of a batch shape
   (shape inference) and the pipeline checks a tied weight's layout once: a pipeline runs one
   uncounted step first, and the rows are a step's from the second on.
+
+Not compared: gradient reduction stays on in every micro-batch here, where ``runtime.step``
+turns it off but in the last (fsdp2's ``defer_fsdp_grad_sync``, the default, follows). The
+partial gradients the strategy's reduction sums over tp (sp's norms, Qwen3's q/k norms, LoRA's
+whole factors under fsdp2) are then summed once a step, while tp's and sp's rows count them once
+per micro-batch: with the step's sync, qwen3_cp_tp_sp measured 9 tp all-reduces (1,536 B)
+against 18 declared (3,072 B), qwen3_lora_tp_fsdp2 32 (88,064 B) against 46 (102,400 B). How
+often the strategy reduces is its own option, which tp and sp cannot read (no contract says it).
 
 p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
 ``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
