@@ -132,6 +132,22 @@ def tiny_embedding_gemma2() -> nn.Module:
         layer_types=["sliding_attention", "full_attention"], attn_implementation="sdpa"))
 
 
+def tiny_llava(**text) -> nn.Module:
+    """A multimodal model whose text decoder is nested (``model.language_model``): its plan is
+    the text config's, merged by transformers into ``model.tp_plan``. Runs on input_ids alone."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    return LlavaForConditionalGeneration(LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, **text),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                           patch_size=8),
+        image_token_index=VOCAB - 1, attn_implementation="sdpa", use_cache=False))
+
+
 def hidden_step(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> float:
     """An encoder's step: its last hidden states against a fixed random target."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -186,6 +202,8 @@ SCENARIOS = {
     "phi3_tp": (tiny_phi3, lambda: Graph().add("tp", size=2)),
     "gemma3n_tp": (tiny_gemma3n, lambda: Graph().add("tp", size=2)),
     "embedding_gemma2_tp": (tiny_embedding_gemma2, lambda: Graph().add("tp", size=2)),
+    # a nested text decoder's plan (transformers' model.tp_plan)
+    "llava_tp": (tiny_llava, lambda: Graph().add("tp", size=2)),
     "llama_tp_fsdp2": (tiny_llama, lambda: Graph().add("tp", size=2).add("fsdp2")),
     "qwen3_sp_fsdp2": (tiny_qwen3, lambda: Graph().add("tp", size=2).add("sp").add("fsdp2")),
     "qwen3_sp_hsdp": (tiny_qwen3, lambda: Graph().add("tp", size=2).add("sp").add("fsdp2")
@@ -225,7 +243,7 @@ def _scenario(name: str, world_size: int) -> dict:
     local_numel = {n: (p.to_local() if isinstance(p, DTensor) else p).numel()
                    for n, p in model.named_parameters()}
     result["shard"] = {n: full_numel[n] / local_numel[n] for n in local_numel}
-    if hasattr(model, "model"):
+    if hasattr(getattr(model, "model", None), "layers"):
         result["checkpointed"] = "checkpoint" in (_get_registry(model.model.layers[0]) or {})
         result["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
     return result
@@ -246,7 +264,7 @@ def world2():
 @pytest.fixture(scope="module")
 def own_plans():
     return _dist.run(run_scenarios, 2, ["olmo2_tp", "olmo2_sp", "phi3_tp", "gemma3n_tp",
-                                        "embedding_gemma2_tp"])
+                                        "embedding_gemma2_tp", "llava_tp"])
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +346,19 @@ def test_a_parameterless_norm_named_replicated_with_grad_allreduce_needs_nothing
     shard = own_plans[0][name]["shard"]
     assert shard[f"{prefix}layers.0.self_attn.q_norm.weight"] == 1
     assert shard[f"{prefix}layers.0.self_attn.q_proj.weight"] == 2
+
+
+@pytest.mark.multiprocess
+def test_a_nested_text_decoders_own_plan_matches(own_plans):
+    """Llava's decoder sits under model.language_model: its plan (the text config's) was not
+    read, only the embedding and the LM head were split and the layers ran whole on each rank."""
+    _exact(own_plans, "llava_tp")
+    shard = own_plans[0]["llava_tp"]["shard"]
+    at = "model.language_model."
+    assert shard[at + "layers.0.self_attn.q_proj.weight"] == 2
+    assert shard[at + "layers.1.mlp.down_proj.weight"] == 2
+    assert shard[at + "embed_tokens.weight"] == 2 and shard["lm_head.weight"] == 2
+    assert shard["model.vision_tower.encoder.layers.0.mlp.fc1.weight"] == 1
 
 
 @pytest.mark.multiprocess
@@ -624,12 +655,73 @@ def test_style_on_the_wrong_module_type():
 
 
 def test_unknown_style_in_the_models_own_plan():
-    model = tiny_llama()
-    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan,
-                                       "layers.*.mlp.up_proj": "moe_tp_experts"}
+    from transformers import LlamaConfig
+
+    # in the config the model is built from: transformers merges the plans at init
+    model = tiny_llama(base_model_tp_plan={**LlamaConfig.base_model_tp_plan,
+                                           "layers.*.mlp.up_proj": "moe_tp_experts"})
     err = _rejected(model, Graph().add("tp", size=2))
     assert err.rule == "tp-style"
     assert err.key == "config.base_model_tp_plan['layers.*.mlp.up_proj']"
+
+
+def test_a_nested_text_decoders_plan_is_the_models():
+    """transformers merges a nested submodel's plan into model.tp_plan: the decoder layers
+    under model.language_model are in the plan, each entry named by the config that gave it."""
+    from shardgraph.parallelisms.tp import _styles
+
+    model = tiny_llava()
+    plan, origin = _styles.model_plan(model)
+    matched = _styles.expand(plan, model)[0]
+    at = "model.language_model."
+    assert matched[at + "layers.0.self_attn.q_proj"] == "colwise"
+    assert matched[at + "layers.1.mlp.down_proj"] == "rowwise"
+    assert matched[at + "embed_tokens"] == "embedding_rowwise"
+    assert matched["lm_head"] == "colwise_gather_output"
+    assert not any(fqn.startswith("model.vision_tower") for fqn in matched)
+    assert origin[at + "layers.*.mlp.up_proj"] == (
+        "config.text_config.base_model_tp_plan['layers.*.mlp.up_proj']")
+    assert origin["lm_head"] == "LlavaForConditionalGeneration._tp_plan['lm_head']"
+
+
+def test_an_entry_set_on_model_tp_plan_is_read_and_named_so():
+    """transformers' own setter (or an override at load) changes model.tp_plan: that is the
+    plan transformers shards with, and no config gave the entry."""
+    from shardgraph.parallelisms.tp import _styles
+
+    model = tiny_llama()
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.up_proj": "colwise_rep"}
+    plan, origin = _styles.model_plan(model)
+    assert plan["model.layers.*.mlp.up_proj"] == "colwise_rep"
+    assert origin["model.layers.*.mlp.up_proj"] == "model.tp_plan['model.layers.*.mlp.up_proj']"
+    assert origin["model.layers.*.mlp.down_proj"] == (
+        "config.base_model_tp_plan['layers.*.mlp.down_proj']")
+
+
+def test_unknown_style_in_a_nested_models_plan_names_its_config():
+    from transformers import LlamaConfig
+
+    model = tiny_llava(base_model_tp_plan={**LlamaConfig.base_model_tp_plan,
+                                           "layers.*.mlp.up_proj": "moe_tp_experts"})
+    err = _rejected(model, Graph().add("tp", size=2))
+    assert err.rule == "tp-style"
+    assert err.key == "config.text_config.base_model_tp_plan['layers.*.mlp.up_proj']"
+
+
+def test_a_users_plan_replaces_the_nested_models_own():
+    """A model with transformers' full plan and a user's plugins.tp.plan: the user's alone."""
+    from shardgraph.parallelisms.tp import TPOptions, _resolve
+
+    model = tiny_llava()
+    mlp = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+    user = {f"model.language_model.layers.*.mlp.{m}": style for m, style in mlp.items()}
+    resolved = _resolve(model, TPOptions(size=2, plan=user), 2)
+    assert resolved.matched == {f"model.language_model.layers.{i}.mlp.{m}": style
+                                for i in range(2) for m, style in mlp.items()}
+    assert resolved.problems == []
+    glob = "model.layers.*.mlp.up_proj"  # Llama's, not this model's: still the user's error
+    err = _rejected(model, Graph().add("tp", size=2, plan={glob: "colwise"}))
+    assert err.rule == "tp-unmatched" and err.key == f"plugins.tp.plan[{glob!r}]"
 
 
 def test_unknown_style_in_a_user_plan_fails_at_compile_time():

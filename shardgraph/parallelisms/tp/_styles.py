@@ -106,11 +106,35 @@ def expand(plan: Mapping[str, str], model: nn.Module) -> tuple[dict[str, str], l
 def model_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     """The plan a transformers model carries, and where each entry came from.
 
-    ``config.base_model_tp_plan`` (relative to the decoder, so prefixed with its attribute,
-    e.g. ``model.``), then the class's ``_tp_plan`` (the LM head), then — as transformers
-    itself does — the input embedding as a vocabulary-parallel embedding when the plan is not
-    empty and does not name it.
+    transformers' full plan, ``model.tp_plan``: merged at init from the class's ``_tp_plan``
+    (the LM head), ``config.base_model_tp_plan`` of the base model (relative to it, so prefixed
+    with its attribute, e.g. ``model.``) and, recursively, the plans of nested submodels (a
+    multimodal model's text decoder under ``model.language_model``). A model without it (not
+    initialised by transformers) is read as transformers would merge its top level. Then — as
+    transformers itself does — the input embedding as a vocabulary-parallel embedding when the
+    plan is not empty and does not name it.
     """
+    merged = getattr(model, "tp_plan", None)
+    if isinstance(merged, Mapping) and merged is not getattr(type(model), "_tp_plan", None):
+        plan = dict(merged)
+        found = _origins(model)
+        origin = {glob: found.get((glob, style), f"model.tp_plan[{glob!r}]")
+                  for glob, style in plan.items()}
+    else:
+        plan, origin = _top_level_plan(model)
+    embed = input_embeddings(model)
+    if plan and isinstance(embed, nn.Embedding):
+        name = next(n for n, m in model.named_modules() if m is embed)
+        if not any(glob_matches(g, name) for g in plan):
+            plan = {name: "embedding_rowwise", **plan}
+            origin[name] = _EMBEDDING_ORIGIN
+    return plan, origin
+
+
+_EMBEDDING_ORIGIN = "the input embedding (vocabulary-parallel, as transformers shards it)"
+
+
+def _top_level_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     plan: dict[str, str] = {}
     origin: dict[str, str] = {}
     config = getattr(model, "config", None)
@@ -122,13 +146,43 @@ def model_plan(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     for glob, style in (getattr(type(model), "_tp_plan", None) or {}).items():
         plan[glob] = style
         origin[glob] = f"{type(model).__name__}._tp_plan[{glob!r}]"
-    embed = input_embeddings(model)
-    if plan and isinstance(embed, nn.Embedding):
-        name = next(n for n, m in model.named_modules() if m is embed)
-        if not any(glob_matches(g, name) for g in plan):
-            plan = {name: "embedding_rowwise", **plan}
-            origin[name] = "the input embedding (vocabulary-parallel, as transformers shards it)"
     return plan, origin
+
+
+def _origins(model: nn.Module) -> dict[tuple[str, str], str]:
+    """``(glob, style) -> source`` for each entry transformers' merge can have taken from a
+    class's ``_tp_plan`` or a (sub)model's ``config.base_model_tp_plan``; a later (deeper)
+    source wins, as in transformers' merge. An entry of ``model.tp_plan`` found in none (set
+    by hand, overridden at load) is named as ``model.tp_plan[glob]``."""
+    top = getattr(model, "config", None)
+    found: dict[tuple[str, str], str] = {}
+    for fqn, module in model.named_modules():
+        prefix = f"{fqn}." if fqn else ""
+        for glob, style in (getattr(type(module), "_tp_plan", None) or {}).items():
+            found[prefix + glob, style] = f"{type(module).__name__}._tp_plan[{glob!r}]"
+        config = getattr(module, "config", None)
+        if getattr(module, "base_model", None) is not module or config is None:
+            continue
+        where = _config_path(top, config) or f"{fqn}.config"
+        for glob, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
+            found[prefix + glob, style] = f"{where}.base_model_tp_plan[{glob!r}]"
+        # transformers adds it only where the config's plan does not name it
+        found.setdefault((prefix + "embed_tokens", "embedding_rowwise"), _EMBEDDING_ORIGIN)
+    return found
+
+
+def _config_path(top, config, path: str = "config", depth: int = 3) -> str | None:
+    """Where ``config`` sits in the model's ``top`` config (``config.text_config``): the
+    attribute a user edits."""
+    if top is config:
+        return path
+    if top is None or depth == 0:
+        return None
+    for name, value in vars(top).items():
+        if hasattr(value, "base_model_tp_plan") and not name.startswith("_"):
+            if (found := _config_path(value, config, f"{path}.{name}", depth - 1)):
+                return found
+    return None
 
 
 def torch_style(
