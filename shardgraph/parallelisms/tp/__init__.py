@@ -1,9 +1,10 @@
 """tp: tensor parallelism with ``parallelize_module`` and the model's TP plan.
 
-The plan is the model's own (transformers: ``config.base_model_tp_plan`` under the decoder's
-attribute, the class's ``_tp_plan`` for the LM head, and the input embedding vocabulary-parallel)
-or the user's ``plan`` (FQN glob -> style name; in TOML ``[plugins.tp.plan]``). Style names are
-translated to torch ``ParallelStyle``s in ``_styles``.
+The plan is the model's own (transformers' full ``model.tp_plan``: ``config.base_model_tp_plan``
+under the decoder's attribute, a nested text decoder's too, the class's ``_tp_plan`` for the LM
+head, and the input embedding vocabulary-parallel) or the user's ``plan`` (FQN glob -> style
+name; in TOML ``[plugins.tp.plan]``). Style names are translated to torch ``ParallelStyle``s in
+``_styles``.
 
 After apply the model is called as before: ``model(input_ids=..., labels=...).loss`` is the
 unparallelised loss, because the LM head's logits are gathered. ``loss_parallel = true`` keeps
@@ -63,7 +64,7 @@ _SPLIT_INPUTS = ROWWISE_STYLES - {"embedding_rowwise"}
 @attrs.frozen
 class TPOptions:
     size: int = 1
-    #: FQN glob -> style; default: the HF config's ``base_model_tp_plan`` and the class ``_tp_plan``
+    #: FQN glob -> style; default: the model's own, transformers' ``model.tp_plan``
     plan: dict[str, str] | None = None
     #: keep the LM head's logits sharded over the vocabulary and compute the loss in parallel
     loss_parallel: bool = False
@@ -103,8 +104,8 @@ def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
     if not plan:
         return _Resolved({}, [Violation(
             "tp-plan", ("plugins.tp.plan",),
-            f"{type(model).__name__} has no TP plan (no config.base_model_tp_plan, no "
-            "_tp_plan) and none was given",
+            f"{type(model).__name__} has no TP plan (no model.tp_plan, "
+            "config.base_model_tp_plan or _tp_plan) and none was given",
             hint="give one: plugins.tp.plan = { \"layers.*.attn.q_proj\" = \"colwise\", "
             "\"layers.*.attn.out_proj\" = \"rowwise\", ... } (in Python: "
             "Graph().add('tp', size=..., plan={...})); or remove tp",
