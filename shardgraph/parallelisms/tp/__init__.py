@@ -111,11 +111,13 @@ def _resolve(model: nn.Module, options: TPOptions, tp: int) -> _Resolved:
             "Graph().add('tp', size=..., plan={...})); or remove tp",
             plugin="tp",
         )], None)
+    # one entry of a config can reach the plan under two globs (Llama 4's, at the top and
+    # under model.): said once
+    unknown = {origin[glob]: style for glob, style in plan.items() if style not in styles.STYLES}
     bad = [
-        Violation("tp-style", (origin[glob],),
-                  f"unknown TP style {style!r}{did_you_mean(style, STYLES)}",
+        Violation("tp-style", (key,), f"unknown TP style {style!r}{did_you_mean(style, STYLES)}",
                   hint=choices_hint(style, STYLES) + "; or give plugins.tp.plan")
-        for glob, style in plan.items() if style not in styles.STYLES
+        for key, style in unknown.items()
     ]
     matched, unmatched, twice = styles.expand(plan, model)
     modules = dict(model.named_modules())
