@@ -369,6 +369,13 @@ class BatchShape:
     #: takes the whole batch in one pass, its microbatches
     forwards: int = attrs.field(default=attrs.Factory(lambda self: self.micro_batches,
                                                       takes_self=True))
+    #: passes per step whose backward reduces the gradients over the data-parallel axes (and
+    #: so the partial gradients a strategy sums over tp): every pass, or one where the step
+    #: defers the reduction to its last pass (``ParallelModel.step`` turns gradient sync off but
+    #: on the last pass, for a strategy that declares ``grad_sync`` and whose cost does not say
+    #: ``defer_grad_sync = False``; a pipeline schedule's one pass reduces once)
+    grad_syncs: int = attrs.field(default=attrs.Factory(lambda self: self.micro_batches,
+                                                        takes_self=True))
 
     @property
     def tokens(self) -> int:
