@@ -1,12 +1,12 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp, cp, ep and pp
 (alone and together, with and without full and selective activation checkpointing, with LoRA's
 adapters under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Qwen3-MoE and
-Mixtral; the training step's forward and backward of two micro-batches, or a pipeline schedule's
-whole batch in microbatches of one, then the pipeline's ``reduce_grads``) counted at the
-dispatcher below DTensor (the collectives DTensor issues inside an op too), group by group, call
-by call and byte by byte, against the rows ``shardgraph dryrun`` prints for the same plan
+Mixtral; the training step over two micro-batches, or a pipeline schedule's whole batch in
+microbatches of one, then the pipeline's ``reduce_grads``) counted at the dispatcher below
+DTensor (the collectives DTensor issues inside an op too), group by group, call by call and
+byte by byte, against the rows ``shardgraph dryrun`` prints for the same plan
 (``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the runtime's own
-reductions (token count, loss, gradient norm) are not compared here.
+reductions (token count, loss, the gradient norm's squares) are not compared here.
 
 What cannot be compared rank by rank, and how it is compared instead:
 
@@ -18,13 +18,15 @@ What cannot be compared rank by rank, and how it is compared instead:
   (shape inference) and the pipeline checks a tied weight's layout once: a pipeline runs one
   uncounted step first, and the rows are a step's from the second on.
 
-Not compared: gradient reduction stays on in every micro-batch here, where ``runtime.step``
-turns it off but in the last (fsdp2's ``defer_fsdp_grad_sync``, the default, follows). The
-partial gradients the strategy's reduction sums over tp (sp's norms, Qwen3's q/k norms, LoRA's
-whole factors under fsdp2) are then summed once a step, while tp's and sp's rows count them once
-per micro-batch: with the step's sync, qwen3_cp_tp_sp measured 9 tp all-reduces (1,536 B)
-against 18 declared (3,072 B), qwen3_lora_tp_fsdp2 32 (88,064 B) against 46 (102,400 B). How
-often the strategy reduces is its own option, which tp and sp cannot read (no contract says it).
+The step is ``ParallelModel.step`` itself: gradient sync off but on the last micro-batch, as a
+real step runs it (fsdp2's ``defer_fsdp_grad_sync``, the default, follows). The partial
+gradients the strategy's reduction sums over tp (sp's norms, Qwen3's q/k norms, LoRA's whole
+factors under fsdp2) are then summed once a step, or once a pass where the strategy reduces
+every pass (``BatchShape.grad_syncs``); without a strategy the step sums them once, at the
+gradient norm, which is counted too: the counter pauses only in the step's own reductions
+(token count, loss, the norm's squares). Before the rows followed, qwen3_cp_tp_sp measured 9 tp
+all-reduces (1,536 B) against 18 declared (3,072 B), qwen3_lora_tp_fsdp2 32 (88,064 B) against
+46 (102,400 B), and llama_tp_sp 5 (1,280 B) at the gradient norm against none.
 
 p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
 ``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
@@ -37,6 +39,7 @@ between cases did not change it)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 
@@ -167,6 +170,15 @@ def _counter():
         def __init__(self):
             super().__init__()
             self.seen = collections.defaultdict(lambda: [0, 0])
+            self.paused = False
+
+        @contextlib.contextmanager
+        def pause(self):
+            self.paused = True
+            try:
+                yield
+            finally:
+                self.paused = False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(issubclass(t, DTensor) for t in types):
@@ -176,7 +188,7 @@ def _counter():
                 return NotImplemented
             out = func(*args, **(kwargs or {}))
             op = OPS.get(func.overloadpacket.__name__.strip("_"))
-            if op is not None:
+            if op is not None and not self.paused:
                 bound = {a.name: v for a, v in zip(func._schema.arguments, args)}
                 bound.update(kwargs or {})
                 # functional collectives name their group, c10d's ops pass the group itself
@@ -198,7 +210,6 @@ def _counter():
 def run_cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from shardgraph.graphs.runtime import shift_labels
     from shardgraph.train.config import loads_pipeline
     from shardgraph.train.dryrun import collectives
     from tests.models import (batch, tiny_gemma2, tiny_llama, tiny_mixtral, tiny_mla,
@@ -226,19 +237,18 @@ def run_cases(rank: int, world: int) -> dict:
                    for g in GROUPS if getattr(lay, g) > 1}
         axes = {ranks: g for g, ranks in members.items()}
         assert len(axes) == len(members), members  # each axis told apart by its ranks
-        # the training step's own path (runtime.py): a pipeline schedule takes the whole batch
-        # (its microbatches are the accumulation) and completes the gradients after it
+        # the training step itself (ParallelModel.step): gradient sync off but on the last
+        # micro-batch; a pipeline schedule takes the whole batch (its microbatches are the
+        # accumulation) and completes the gradients after it
         runner = parallel.runner
-        passes = [local] if runner is not None else local.split(MICRO)
-        if runner is not None:  # its first step of a batch shape sends the stages' shapes too
-            parallel.forward_backward(local, shift_labels(local), parallel.token_loss())
-            runner.reduce_grads()
         count = _counter()
+        _runtimes_own_uncounted(parallel, count)
+        if runner is not None:  # its first step of a batch shape sends the stages' shapes too
+            parallel.step(local, None)
+            for part in (parallel.module, *parallel.parts):
+                part.zero_grad(set_to_none=True)
         with count:
-            for ids in passes:
-                parallel.forward_backward(ids, shift_labels(ids), parallel.token_loss())
-            if runner is not None:
-                runner.reduce_grads()
+            parallel.step(local, None, micro_batch_size=None if runner is not None else MICRO)
         measured = {(op, axes[r]): row for (op, r), row in count.seen.items() if r in axes}
         declared = collections.defaultdict(lambda: [0, 0])
         for row in collectives(parallel, pipeline, plan, ctx):
@@ -248,6 +258,25 @@ def run_cases(rank: int, world: int) -> dict:
         out[name] = {"measured": {k: tuple(v) for k, v in measured.items()},
                      "declared": {k: tuple(v) for k, v in declared.items()}, "members": members}
     return out
+
+
+def _runtimes_own_uncounted(parallel, count) -> None:
+    """The counter pauses in the step's own reductions (the token count, the loss and the
+    gradient norm's squares, which no plugin declares), but for the partial gradients the
+    gradient norm sums first where no strategy did (``_sum_partial_grads``; tp's and sp's
+    rows): counted, then the norm finds none left."""
+    own_sum, own_norm = parallel._sum, parallel.grad_norm
+
+    def _sum(value, group):
+        with count.pause():
+            return own_sum(value, group)
+
+    def grad_norm():
+        parallel._sum_partial_grads()
+        with count.pause():
+            return own_norm()
+
+    parallel._sum, parallel.grad_norm = _sum, grad_norm
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -291,12 +320,13 @@ def test_sp_reduces_a_shared_experts_output_in_one_all_reduce(counted):
     inside the MoE block sp runs whole, is all-reduced as under tp alone: per layer and
     micro-batch one all-reduce, where reducing into the sequence-sharded stream and gathering
     back made a reduce-scatter and two all-gathers (28 all-gathers, 4 reduce-scatters and 4
-    all-reduces before)."""
+    all-reduces before). With no strategy the step sums the sequence-sharded norms' partial
+    gradients at the gradient norm: five more all-reduces (1,280 B), once a step."""
     if "qwen2_moe_shared_expert_sp" not in counted[0]:
         pytest.skip("a world-2 case")
     for cases in counted:
         assert cases["qwen2_moe_shared_expert_sp"]["measured"] == {
-            ("all_gather", "tp"): (20, 81920), ("all_reduce", "tp"): (8, 32768)}
+            ("all_gather", "tp"): (20, 81920), ("all_reduce", "tp"): (8 + 5, 32768 + 1280)}
 
 
 def test_the_replica_sees_a_norm_read_after_the_rowwise_layer():

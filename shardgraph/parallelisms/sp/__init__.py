@@ -218,11 +218,11 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     behind what a replicated layer's output was sliced from (backward); inside a part that runs
     whole around split layers (the MoE block with a split shared expert) each module's colwise
     linears' whole input gradient summed (backward; its rowwise layers' all-reduces are tp's
-    rows); a sequence-sharded norm's partial
-    weight gradient is summed by the strategy's reduction in each backward (without a
-    strategy, dp * cp = 1, at the optimizer step: not listed); nothing is summed or gathered
-    back where no gradient goes (a frozen base's first block: ``core.blocks.gradient_reaches``).
-    tp's rows are tp's."""
+    rows); a sequence-sharded norm's partial weight gradient is summed by the strategy's
+    reduction in each backward that reduces (``BatchShape.grad_syncs``: once a step where the
+    step defers it; without a strategy, dp * cp = 1, once a step at the gradient norm,
+    ``ParallelModel.grad_norm``); nothing is summed or gathered back where no gradient goes (a
+    frozen base's first block: ``core.blocks.gradient_reaches``). tp's rows are tp's."""
     built = _sequence_styles(model, inputs["tensor_parallel"])
     modules = dict(model.named_modules())
     recompute = inputs.get("activation_checkpointing")
@@ -238,8 +238,9 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     scatters = sum(isinstance(s, (styles.ScatterSequence, styles.Whole))
                    and reaches(fqn, through=True) for fqn, s in built.items())
     norms = [p for fqn, s in built.items() if isinstance(s, styles.KeepFrozenSequenceParallel)
-             for p in modules[fqn].parameters() if p.requires_grad] \
-        if ctx.layout.dp * ctx.layout.cp > 1 else []
+             for p in modules[fqn].parameters() if p.requires_grad]
+    strategy = ctx.layout.dp * ctx.layout.cp > 1
+    syncs = batch.grad_syncs if strategy else 1
     size = batch.tokens * batch.hidden * batch.act_bytes
     mb = batch.forwards
     gathered = len(again) + gathers
@@ -256,9 +257,10 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
                          sum(batch.tokens * m.in_features * batch.act_bytes for m in shared),
                          "whole input gradients of split linears inside a part run whole "
                          "(backward)")
-            + collective("all_reduce", "tp", len(norms) * mb,
-                         mb * sum(p.numel() * p.element_size() for p in norms),
-                         "partial gradients of sequence-sharded norms (backward)"))
+            + collective("all_reduce", "tp", len(norms) * syncs,
+                         syncs * sum(p.numel() * p.element_size() for p in norms),
+                         "partial gradients of sequence-sharded norms ("
+                         + ("backward)" if strategy else "once a step, at the gradient norm)")))
 
 
 def _rowwise_inside(path: str, tp: TPLayout, modules: dict[str, nn.Module]) -> list[nn.Module]:

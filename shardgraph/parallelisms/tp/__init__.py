@@ -448,9 +448,12 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
     checkpointed block runs its forward's again when it recomputes, up to the last tensor
     backward reads (torch's checkpoint stops there): those of its rowwise layers after which
     it saves a tensor (``_recomputed_rowwise``); sp's own gathers are sp's rows.
-    A partial gradient is summed by the strategy's reduction in each backward; without a
-    strategy (dp * cp = 1) at the gradient norm, not listed. Low-rank adapters beside a split
-    linear sum the partial gradient of their whole factor (``_replicated_factor``). Backward
+    A partial gradient is summed by the strategy's reduction in each backward that reduces
+    (``BatchShape.grad_syncs``: once a step where the step defers it); without a strategy
+    (dp * cp = 1) once a step, at the gradient norm (``ParallelModel.grad_norm``). Low-rank
+    adapters beside a split linear sum the partial gradient of their whole factor
+    (``_replicated_factor``): in each backward, by their own hook, or where a strategy takes
+    the factor over (its sharded parameter has no such hook), by its reduction. Backward
     sums and gathers nothing where no gradient goes (``core.blocks.gradient_reaches``): under a
     frozen base (LoRA's) the embedding and the first block's input get none."""
     sequence = inputs.get("sequence_parallel")
@@ -502,7 +505,7 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
         elif style == "mla_kv_a_proj" and reaches(fqn, through=True):
             n_rope += 1
             rope += tokens * _config.rope_width(model.config) * act
-        elif style == "replicated_with_grad_allreduce" and ctx.layout.dp * ctx.layout.cp > 1:
+        elif style == "replicated_with_grad_allreduce":
             for p in m.parameters():
                 if p.requires_grad:  # a frozen one (LoRA's base) has no gradient to sum
                     n_grads += 1
@@ -511,6 +514,10 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
         if factor is not None:
             n_adapted += 1
             adapted += factor.numel() * factor.element_size()
+    # summed by the strategy's reduction, or without one once a step (at the gradient norm,
+    # where an adapter's factor has been summed by its own hook in each backward)
+    strategy = ctx.layout.dp * ctx.layout.cp > 1
+    syncs = batch.grad_syncs if strategy else 1
     heads = int(head_in > 0)
     losses = int(options.loss_parallel and resolved.head in resolved.matched)
     heads_back = int(heads and reaches(resolved.head))
@@ -536,12 +543,14 @@ def _collectives(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs:
                          "the gradient of MLA's rope key, shared by every head (backward)")
             + collective("reduce_scatter", "tp", heads_back * mb, heads_back * head_in,
                          "the LM head's input gradient (backward)")
-            + collective("all_reduce", "tp", n_grads * mb, mb * grads,
-                         "partial gradients of replicated parameters (backward)")
+            + collective("all_reduce", "tp", n_grads * syncs, syncs * grads,
+                         "partial gradients of replicated parameters ("
+                         + ("backward)" if strategy else "once a step, at the gradient norm)"))
             + collective("all_reduce", "tp", 3 * losses * mb, 3 * losses * tokens * act,
                          "the vocabulary-parallel loss: each token's largest logit, sum of "
                          "exponentials and label's logit (forward)")
-            + collective("all_reduce", "tp", n_adapted * mb, mb * adapted,
+            + collective("all_reduce", "tp", n_adapted * (syncs if strategy else mb),
+                         (syncs if strategy else mb) * adapted,
                          "partial gradients of low-rank adapters' replicated factors (backward)"))
 
 
