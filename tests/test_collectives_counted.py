@@ -19,14 +19,15 @@ What cannot be compared rank by rank, and how it is compared instead:
   uncounted step first, and the rows are a step's from the second on.
 
 The step is ``ParallelModel.step`` itself: gradient sync off but on the last micro-batch, as a
-real step runs it (fsdp2's ``defer_fsdp_grad_sync``, the default, follows). The partial
-gradients the strategy's reduction sums over tp (sp's norms, Qwen3's q/k norms, LoRA's whole
-factors under fsdp2) are then summed once a step, or once a pass where the strategy reduces
-every pass (``BatchShape.grad_syncs``); without a strategy the step sums them once, at the
-gradient norm, which is counted too: the counter pauses only in the step's own reductions
-(token count, loss, the norm's squares). Before the rows followed, qwen3_cp_tp_sp measured 9 tp
-all-reduces (1,536 B) against 18 declared (3,072 B), qwen3_lora_tp_fsdp2 32 (88,064 B) against
-46 (102,400 B), and llama_tp_sp 5 (1,280 B) at the gradient norm against none.
+real step runs it (fsdp2's ``defer_fsdp_grad_sync``, the default, follows; one case turns it
+off). The partial gradients the strategy's reduction sums over tp (sp's norms, Qwen3's q/k
+norms, LoRA's whole factors under fsdp2) are then summed once a step, or once a pass where the
+strategy reduces every pass (``BatchShape.grad_syncs``); without a strategy the step sums them
+once, at the gradient norm, which is counted too: the counter pauses only in the step's own
+reductions (token count, loss, the norm's squares). Before the rows followed, qwen3_cp_tp_sp
+measured 9 tp all-reduces (1,536 B) against 18 declared (3,072 B), qwen3_lora_tp_fsdp2 32
+(88,064 B) against 46 (102,400 B), and llama_tp_sp 5 (1,280 B) at the gradient norm against
+none.
 
 p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
 ``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
@@ -141,6 +142,10 @@ CASES[2].update({
                                             "[plugins.activation_checkpointing]\n"),
 })
 CASES[4]["qwen3_lora_tp_fsdp2"] = ("qwen3", LORA + "[plugins.tp]\nsize = 2\n[plugins.fsdp2]\n")
+# fsdp2 reducing every micro-batch: so do the q/k norms' and sp's norms' partial gradients
+CASES[4]["qwen3_tp_sp_fsdp2_every_pass"] = ("qwen3", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"
+                                                     "[plugins.fsdp2]\n"
+                                                     "defer_fsdp_grad_sync = false\n")
 # pp with tp and sp, and with cp: the layers of each stage run once per microbatch
 CASES[4].update({
     "llama_pp_tp_sp": ("llama", "[plugins.pp]\nsize = 2\n[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
