@@ -56,10 +56,16 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def _decoder(model: nn.Module) -> nn.Module | None:
+    """The text decoder: the module that holds the input embedding (a nested one's, under a
+    multimodal model: Llava's ``model.language_model``, whose final norm is its child, not the
+    base model's), else the base model."""
     import torch.nn as nn
 
     base = getattr(model, "base_model", None)
-    return base if isinstance(base, nn.Module) else None
+    if not isinstance(base, nn.Module):
+        return None
+    embed = input_embeddings(model)
+    return next((m for m in model.modules() if any(c is embed for c in m.children())), base)
 
 
 def _model_check(model: nn.Module, options: NoOptions, ctx: MeshContext) -> list[Violation]:
