@@ -4,7 +4,7 @@ config's defaults (or train's tiny ones) on the meta device, layers cut to 2 whe
 allows; per class the plan ``model_plan`` reads, each entry's origin, the modules it matches
 and the rules tp's checks break at tp 2.
 
-With ``--base DIR`` (another checkout or a worktree, e.g. ``git worktree add /tmp/base HEAD~1``)
+With ``--base DIR`` (another checkout or a worktree, e.g. ``git worktree add ../base HEAD~1``)
 both are read, each in a fresh process, and the classes whose plan, origins, matched modules
 or problems differ are listed; a class neither builds is listed as skipped.
 
