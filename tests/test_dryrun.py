@@ -133,6 +133,27 @@ def test_a_pipelines_accumulation_is_one_pass_for_the_strategys_collectives():
     assert rows[0][("send/recv", "pp")] == 2 * 2  # local batch 4, microbatches of 2
 
 
+def test_fsdp2_reduces_once_a_step_or_in_every_backward():
+    """fsdp2 reduce-scatters its gradients on the last micro-batch only by default
+    (``defer_fsdp_grad_sync``), in every backward without it: its rows say so."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "examples" / "fsdp2.toml").read_text()
+    text = text.replace("[plugins.fsdp2]", "[plugins.fsdp2]\ndefer_fsdp_grad_sync = {}")
+
+    def scatters(defer: str, micro: int) -> tuple[int, int]:
+        pipeline = loads_pipeline(text.format(defer).replace(
+            "global_batch_size = 8", f"global_batch_size = 8\nmicro_batch_size = {micro}"))
+        row = next(r for r in dryrun(pipeline, world_size=2, rank=0)["collectives"]
+                   if r["op"] == "reduce_scatter")
+        return row["count"], row["bytes"]
+
+    once = scatters("true", 1)  # local batch 4 in 4 passes
+    assert scatters("true", 4) == once  # deferred: the same reduction whatever the passes
+    assert scatters("false", 1) == (once[0] * 4, once[1] * 4)
+    assert scatters("false", 4) == once
+
+
 GEMMA4 = """
 [model]
 architecture = "Gemma4ForCausalLM"

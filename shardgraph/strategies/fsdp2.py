@@ -115,7 +115,8 @@ def _export(options: FSDP2Options, layout, inputs: dict[str, Any]) -> dict[str, 
 def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
                  inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
     """Every unit's all-gathers (forward; backward again where it reshards after forward)
-    and its gradient reduce-scatter (once: on the last micro-batch)."""
+    and its gradient reduce-scatter, once per gradient sync (``BatchShape.grad_syncs``: on the
+    last micro-batch only with ``defer_fsdp_grad_sync``, else in every backward)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -140,13 +141,13 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
         times = 2 if state.post_forward_mesh_info is not None and id(u) in inside else 1
         gathers += batch.micro_batches * times
         gather += g * batch.micro_batches * times
-        scatters += 1
-        scatter += r
+        scatters += batch.grad_syncs
+        scatter += r * batch.grad_syncs
     lay = ctx.layout
     return (collective("all_gather", "dp_shard_cp", gathers, gather, "FSDP2 unsharded "
                        "parameters (forward, and backward when resharded after forward)")
             + collective("reduce_scatter", "dp_shard_cp", scatters, scatter, "FSDP2 gradients "
-                         "(last micro-batch only with defer_fsdp_grad_sync)")
+                         "(last micro-batch only with defer_fsdp_grad_sync, else every one)")
             + (collective("all_reduce", "dp_replicate", scatters,
                           scatter // max(lay.dp_shard * lay.cp, 1),
                           "HSDP gradient shards across replicas") if lay.dp_replicate > 1 else []))
