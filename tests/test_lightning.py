@@ -36,6 +36,7 @@ from tests import _dist  # noqa: E402
 from tests.models import VOCAB, full, tiny_llama  # noqa: E402
 
 GLOBAL_BATCH, SEQ, FRAMES, HIDDEN, SAMPLES, LR = 4, 8, 3, 64, 8, 0.1
+CLIP = 0.05  # below every step's gradient norm: the clip is active (checked below)
 LORA = dict(rank=4, alpha=8.0, match_all_linear=True)  # peft_config dim=4, alpha=8 below
 
 
@@ -186,14 +187,16 @@ def _trainer(devices: int, steps: int, strategy="auto", **kwargs):
 _REFERENCES: dict[str, list[float]] = {}
 
 
-def reference(steps: int = 3, accumulate: int = 1, **module) -> list[float]:
+def reference(steps: int = 3, accumulate: int = 1, clip: float | None = None,
+              **module) -> list[float]:
     """Per-step losses of a one-device Trainer (default strategy) on the whole global batch."""
-    key = repr((steps, accumulate, sorted(module.items())))
+    key = repr((steps, accumulate, clip, sorted(module.items())))
     if key not in _REFERENCES:
         lit = LitModel(**module)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _trainer(1, steps, accumulate_grad_batches=accumulate).fit(lit)
+            _trainer(1, steps, accumulate_grad_batches=accumulate,
+                     gradient_clip_val=clip).fit(lit)
         _REFERENCES[key] = [x.item() for x in lit.losses]
     return _REFERENCES[key]
 
@@ -217,6 +220,9 @@ SCENARIOS = {
                      dict(composite=True), dict()),
     "tp_sp_fsdp2_ac": (dict(tp_size=2, sequence_parallel=True, activation_checkpointing_llm=True),
                        dict(), dict()),
+    # dp 1: no strategy reduces the norms' partial gradients before Lightning's clip
+    "tp_sp_clip": (dict(tp_size=2, sequence_parallel=True), dict(),
+                   dict(gradient_clip_val=CLIP)),
     "tp_wrong_sampler": (dict(tp_size=2), dict(sampler_replicas=4), dict()),
     "tp_iterable": (dict(tp_size=2), dict(iterable=True), dict()),
     "tp_lightning_sampler": (dict(tp_size=2), dict(lightning_sampler=True),
@@ -291,7 +297,8 @@ def groups(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("lightning") / "step2.ckpt")
     world2 = _dist.run(run_group, 2, ["fsdp2", "fsdp2_accumulate", "fsdp2_bf16_mixed",
                                       "fsdp2_bf16_true", "ddp_accumulate", "ep_dp",
-                                      "composite", "composite_ddp", "precision_conflict"], ckpt,
+                                      "composite", "composite_ddp", "precision_conflict",
+                                      "tp_sp_clip"], ckpt,
                        timeout=300)
     world4 = _dist.run(run_group, 4, ["tp_fsdp2", "lora_tp_fsdp2", "tp_sp_fsdp2_ac",
                                       "composite_tp", "tp_wrong_sampler", "tp_lightning_sampler",
@@ -381,6 +388,15 @@ def test_a_lora_model_trains_its_adapters_only_under_tp_fsdp2(groups):
         got = r["lora_tp_fsdp2"]
         assert got["steps"] == ["lora", "tp", "fsdp2"]
         assert got["trainable"] and all(".lora_" in n for n in got["trainable"])
+
+
+@pytest.mark.multiprocess
+def test_lightnings_gradient_clip_matches_under_tp_sp_without_data_parallelism(groups):
+    """Trainer(gradient_clip_val) under tp 2 + sp at world 2 (dp 1: the sequence-sharded norms'
+    gradients are partial DTensors when Lightning clips): the clipped one-device losses."""
+    clipped = reference(clip=CLIP)
+    assert clipped != reference()  # the clip changed the steps
+    _same_losses(groups[2], "tp_sp_clip", clipped)
 
 
 @pytest.mark.multiprocess
