@@ -236,6 +236,8 @@ class ParallelModel:
         return square.sqrt()
 
     def _sum_partial_grads(self) -> None:
+        """Sum, in place, every gradient still partial over a mesh axis into its parameter's
+        placements (``grad_norm``'s first step)."""
         for p in self.module.parameters():
             g = p.grad
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
@@ -341,21 +343,11 @@ class ParallelModel:
                     total += loss.float().reshape(())
         finally:
             self.module.train(was_training)
-            _reshard(self.module)
+            for step, plugin, _ in self._hooks("after_forward_only"):
+                for part in self.parts:
+                    plugin.after_forward_only(part, step.options)
         # each of dp x cp holds distinct tokens; tp ranks hold the same sum, pp's is broadcast
         return float(self._sum(total, self._group(Axis.DP, Axis.CP))), int(count)
-
-
-def _reshard(module: nn.Module) -> None:
-    """Shard again the units that keep their parameters gathered from forward to backward
-    (``reshard_after_forward = False``: ep's experts, every block under pp): after a pass without
-    backward nothing else would until the next step's backward, and until then they would hold
-    the whole parameters, and ``parameters()`` would hand an optimizer or a checkpoint those."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
 
 
 def _split(batch: Mapping[str, Any], size: int, device: torch.device

@@ -40,6 +40,10 @@ Apply = Callable[["nn.Module", Any, "MeshContext", dict[str, Any]], "nn.Module"]
 #: ``grad_sync(model, options, enabled)``: turn gradient reduction on/off for accumulation
 #: (called on every part of the parallelised model).
 GradSync = Callable[["nn.Module", Any, bool], None]
+#: ``after_forward_only(model, options)``: called on every part after passes without backward
+#: (validation): a strategy that keeps parameters gathered from forward to backward (fsdp2's
+#: units that do not reshard after forward) shards them again.
+AfterForwardOnly = Callable[["nn.Module", Any], None]
 #: ``prepare_batch(batch, options, ctx, inputs) -> batch``: this rank's share of a batch of
 #: model keyword arguments (cp keeps its part of every sequence, labels already shifted).
 PrepareBatch = Callable[[dict[str, Any], Any, "MeshContext", dict[str, Any]], dict[str, Any]]
@@ -78,6 +82,7 @@ HOOKS: dict[str, tuple[str, ...]] = {
     "model_check": ("model", "options", "ctx"),
     "apply": ("model", "options", "ctx", "inputs"),
     "grad_sync": ("model", "options", "enabled"),
+    "after_forward_only": ("model", "options"),
     "prepare_batch": ("batch", "options", "ctx", "inputs"),
     "export": ("options", "layout", "inputs"),
     "loss_context": ("options",),
@@ -166,6 +171,7 @@ class Plugin:
     model_check: ModelCheck | None = attrs.field(default=None, eq=False)
     apply: Apply | None = attrs.field(default=None, eq=False)
     grad_sync: GradSync | None = attrs.field(default=None, eq=False)
+    after_forward_only: AfterForwardOnly | None = attrs.field(default=None, eq=False)
     prepare_batch: PrepareBatch | None = attrs.field(default=None, eq=False)
     export: Export | None = attrs.field(default=None, eq=False)
     loss_context: LossContext | None = attrs.field(default=None, eq=False)

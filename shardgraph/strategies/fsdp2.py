@@ -160,6 +160,18 @@ def _grad_sync(model: nn.Module, options: FSDP2Options, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
+def _after_forward_only(model: nn.Module, options: FSDP2Options) -> None:
+    """Shard again every unit a pass without backward left gathered (one that keeps its
+    parameters from forward to backward: the root, ep's experts, every block under pp): until
+    the next backward they would hold the whole parameters, and ``parameters()`` would hand an
+    optimizer or a checkpoint those."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def _conflicts_with(options: FSDP2Options) -> dict[str, OptionFlag]:
     """Resharding after forward frees the parameters that a zero-bubble pipeline's later
     weight-gradient pass still reads: its gradients come out wrong (measured at pp 2 x dp 2)."""
@@ -189,6 +201,7 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     grad_sync=_grad_sync,
+    after_forward_only=_after_forward_only,
     export=_export,
     collectives=_collectives,
     doc="fully_shard per transformer block, then the root (FSDP2 / ZeRO-3)",
