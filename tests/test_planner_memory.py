@@ -12,7 +12,7 @@ from shardgraph.core.errors import PlanError
 from shardgraph.parallelisms.pp import split_layers
 from shardgraph.planner.memory import state_bytes
 from shardgraph.planner.predict import setup_of
-from shardgraph.planner.shape import FAMILIES, TINY, model_shape
+from shardgraph.planner.shape import FAMILIES, TINY, model_shape, shape_from_values
 from shardgraph.planner.view import plan_view
 from shardgraph.train.config import loads_pipeline
 from shardgraph.train.dryrun import dryrun
@@ -189,6 +189,51 @@ def test_a_layer_of_its_own_is_refused_not_priced_as_the_others(tmp_path):
         model_shape(loads_pipeline(f'[model]\npath = "{tmp_path}"\n[plugins.fsdp2]\n').model)
     (v,) = err.value.violations
     assert v.keys == ("model.path",) and "head_dim" in v.message and "config.json" in v.hint
+
+
+def _changed(value):
+    """Another value of a config setting of the same type (None: not a size the test can vary)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return 2 * value or 1
+    if isinstance(value, list):
+        return [0]
+    return None
+
+
+@pytest.mark.parametrize("architecture", list(FAMILIES))
+def test_every_setting_that_changes_the_shape_is_refused_for_one_layer(architecture):
+    """Each setting of the family's config class (transformers' own defaults, the tiny model's
+    values) that changes the planner's shape when every layer has it is refused when a single
+    layer has it (``per_layer_config``), and no other is: what the planner reads is what it
+    refuses per layer, with no second list to keep beside the reads."""
+    import transformers
+
+    family = FAMILIES[architecture]
+    defaults = transformers.AutoConfig.for_model(family["model_type"]).to_dict()
+    base = {**TINY, "head_dim": 16} if "head_dim" in defaults else dict(TINY)
+    shape = shape_from_values(architecture, base)
+    changing, kept = set(), set()
+    for name, default in {**defaults, **family, **base}.items():
+        other = _changed(base.get(name, family.get(name, default)))
+        if other is None or name == "per_layer_config":
+            continue
+        try:
+            differs = shape_from_values(architecture, {**base, name: other}) != shape
+        except PlanError:  # a value this family cannot be built with (heads not dividing)
+            continue
+        (changing if differs else kept).add(name)
+        try:
+            shape_from_values(architecture, {**base, "per_layer_config": {1: {name: other}}})
+            refused = set()
+        except PlanError as err:
+            refused = {k.rsplit(".", 1)[1] for k in err.keys}
+        assert refused == ({name} if differs else set()), (name, other, refused)
+    # the sizes every family prices, among those that change it
+    assert {"hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+            "num_attention_heads", "num_key_value_heads"} <= changing
+    assert "max_position_embeddings" in kept
 
 
 @pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["o_proj", "down_proj"]])

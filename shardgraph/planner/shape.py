@@ -184,8 +184,18 @@ def shape_from_values(architecture: str, values: dict[str, Any], dtype: str = "f
                        f"the planner has no shape for {architecture!r}"
                        f"{did_you_mean(architecture, list(FAMILIES))}",
                        f"use one of {', '.join(FAMILIES)} (or a local config.json of one)")
-    v = {**FAMILIES[architecture], **values}
-    _one_value_per_layer(architecture, v, key)
+    v = _Reads({**FAMILIES[architecture], **values})
+    try:
+        shape, found = _shape(architecture, v, dtype, key), ()
+    except PlanError as err:  # reported with the layers' own values, at once
+        shape, found = None, err.violations
+    found += _one_value_per_layer(architecture, v, key)
+    if found:
+        raise PlanError(found)
+    return shape
+
+
+def _shape(architecture: str, v: _Reads, dtype: str, key: str) -> ModelShape:
     try:
         h, heads = int(v["hidden_size"]), int(v["num_attention_heads"])
         if architecture in HEADS_DIVIDE_HIDDEN and heads > 0 and h % heads:
@@ -223,31 +233,40 @@ def shape_from_values(architecture: str, values: dict[str, Any], dtype: str = "f
                        "intermediate_size, vocab_size") from None
 
 
-#: the config values ``shape_from_values`` reads: one for every layer
-_READ = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "head_dim",
-         "num_key_value_heads", "intermediate_size", "tie_word_embeddings", "attention_bias",
-         "qkv_bias", "mlp_bias", "qk_norm", "num_local_experts", "num_experts",
-         "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
+class _Reads(dict):
+    """A config's values that remember which of them the shape was built from: a layer's own
+    value of one of those (``per_layer_config``) would be priced wrong, one of the others not."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> Any:
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        self.read.add(name)
+        return super().get(name, default)
 
 
-def _one_value_per_layer(architecture: str, v: dict[str, Any], key: str) -> None:
+def _one_value_per_layer(architecture: str, v: _Reads, key: str) -> tuple[Violation, ...]:
     """Refuse a ``per_layer_config`` (transformers' heterogeneous configs) that gives a layer its
     own value of a setting the planner reads: every layer is priced with the global one."""
-    per_layer = v.get("per_layer_config") or {}
+    per_layer = dict.get(v, "per_layer_config") or {}
     entries = per_layer.items() if isinstance(per_layer, dict) else enumerate(per_layer)
     where = "config.json" if key == "model.path" else "[model.config]"
-    bad = [Violation("model", (f"{key}.per_layer_config[{layer}].{name}" if key == "model.config"
-                               else key,),
-                     f"the planner prices every layer of {architecture} with one {name} "
-                     f"({v.get(name, 'its default')!r}); per_layer_config gives layer {layer} "
-                     f"{value!r}",
-                     hint=f"remove {name} from layer {layer}'s per_layer_config in {where} to "
-                     "estimate a uniform stack; `shardgraph dryrun` builds the model as "
-                     "transformers does and reports what it holds per rank")
-           for layer, overrides in entries if isinstance(overrides, dict)
-           for name, value in overrides.items() if name in _READ and value != v.get(name)]
-    if bad:
-        raise PlanError(bad)
+    return tuple(
+        Violation("model", (f"{key}.per_layer_config[{layer}].{name}" if key == "model.config"
+                            else key,),
+                  f"the planner prices every layer of {architecture} with one {name} "
+                  f"({v.get(name, 'its default')!r}); per_layer_config gives layer {layer} "
+                  f"{value!r}",
+                  hint=f"remove {name} from layer {layer}'s per_layer_config in {where} to "
+                  "estimate a uniform stack; `shardgraph dryrun` builds the model as "
+                  "transformers does and reports what it holds per rank")
+        for layer, overrides in entries if isinstance(overrides, dict)
+        for name, value in overrides.items() if name in v.read and value != v.get(name))
 
 
 def model_shape(spec) -> ModelShape:
