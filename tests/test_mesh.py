@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch.distributed as dist
 
@@ -70,3 +72,24 @@ def test_mesh_names_and_flattened_and_moe_meshes(world4):
 def test_world_size_mismatch_is_a_plan_error(world4):
     rule, message = world4[0]["mismatch"]
     assert rule == "world-size" and "compiled for world size 2" in message
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_fsdp_mesh_of_hsdp_with_cp_joins_the_kept_meshes(rank):
+    """hsdp with cp (world 8: dp_replicate 2 x dp_shard 2 x cp 2, on torch's fake process group,
+    as the dry run builds it) shards over the flattened (dp_shard, cp) axis and replicates over
+    dp_replicate: the 2-D mesh joins the kept 1-D meshes, over the same groups, instead of
+    slicing a flattened axis from the root mesh, which torch deprecates (it warned on every
+    rank and in every dry run of such a plan)."""
+    from shardgraph.core.context import fake_world
+
+    plan = Graph().add("fsdp2").add("hsdp", size=2).add("cp", size=2).compile(world_size=8)
+    with fake_world(8, rank), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mesh = plan.build_mesh("cpu").fsdp_mesh
+        groups = [sorted(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(2)]
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+    assert groups == [next(g for g in plan.layout.ranks(axis) if rank in g)
+                      for axis in ("dp_replicate", "dp_shard_cp")]
+    assert [len(g) for g in groups] == [2, 4]
+    assert not [w for w in said if "flattened" in str(w.message)]

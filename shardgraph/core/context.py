@@ -46,6 +46,10 @@ class MeshContext:
             raise RuntimeError("this MeshContext has no DeviceMesh (world size 1)")
         if len(names) == 1 and names[0] in self._flat:
             return self._flat[names[0]]
+        if any(a in self._flat for a in names):
+            # torch deprecates slicing a flattened axis from the root mesh ("bookkeep the
+            # flattened mesh directly"): join the kept 1-D meshes instead, over the same groups
+            return DeviceMesh._concatenate([self.mesh(a) for a in names])
         if all(a in MOE_AXES and a is not Axis.PP for a in names):
             if self.moe_mesh is None:
                 raise RuntimeError("no MoE mesh: it is built only when ep > 1")
@@ -59,7 +63,7 @@ class MeshContext:
             return self.mesh(Axis.DP_SHARD_CP)
         if self.layout.cp == 1:
             return self.mesh(Axis.DP_REPLICATE, Axis.DP_SHARD)
-        return self.device_mesh["dp_replicate", "dp_shard_cp"]
+        return self.mesh(Axis.DP_REPLICATE, Axis.DP_SHARD_CP)
 
 
 def build_mesh_context(layout: MeshLayout, device_type: str = "cpu") -> MeshContext:
