@@ -5,8 +5,12 @@ Mixtral; the training step over two micro-batches, or a pipeline schedule's whol
 microbatches of one, then the pipeline's ``reduce_grads``) counted at the dispatcher below
 DTensor (the collectives DTensor issues inside an op too), group by group, call by call and
 byte by byte, against the rows ``shardgraph dryrun`` prints for the same plan
-(``train/dryrun.collectives``). The strategy's rows (fsdp2, ddp) and the runtime's own
-reductions (token count, loss, the gradient norm's squares) are not compared here.
+(``train/dryrun.collectives``). The strategy's rows are compared too: fsdp2 (alone, resharding
+after forward or not, under activation checkpointing, tp, cp, ep, LoRA and a pipeline; hsdp),
+whose collectives reach the dispatcher as c10d's own ops (``_allgather_base_``,
+``_reduce_scatter_base_``, ``allreduce_``); their bytes are torch's buffers, padded where no
+rank count divides a parameter's rows. The runtime's own reductions (token
+count, loss, the gradient norm's squares) are not compared here.
 
 What cannot be compared rank by rank, and how it is compared instead:
 
@@ -35,7 +39,16 @@ is an argument; DTensor's and the functional collectives name their group. A gro
 its ranks, not its name: the cases share one process, and torch may run a case's collectives on
 a group of the same ranks that an earlier case created (after qwen3_cp_tp_sp, some of the next
 Qwen3 case's tp all-reduces ran on that case's tp group; clearing DTensor's sharding cache
-between cases did not change it)."""
+between cases did not change it). Rows of two groups with the same ranks (cp's and fsdp2's
+``dp_shard_cp`` at world 2) are compared together; a collective on a group no row names shows
+under its ranks, and fails.
+
+Before fsdp2's rows followed torch (pp 2 x dp 2: 1 all-gather and 1 reduce-scatter declared
+per rank, 2 issued, the stage roots missed; a root resharded after forward: 10 all-gathers
+declared, 12 issued, over two blocks and two micro-batches; ep's experts over one rank: 14
+declared, 12 issued; LoRA's frozen root: 3 reduce-scatters of 205,312 B declared, 2 of 23,552 B
+issued; a vocabulary of 129 at world 2: rank 1 declared its own shorter shards, 1,327,616 B of
+all-gathers, where both ranks gather 1,329,664 B)."""
 
 from __future__ import annotations
 
@@ -151,14 +164,29 @@ CASES[4].update({
     "llama_pp_tp_sp": ("llama", "[plugins.pp]\nsize = 2\n[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
     "llama_pp_cp": ("llama", "[plugins.pp]\nsize = 2\n[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n"),
 })
+# the strategy's own rows: fsdp2's all-gathers (resharded after forward or kept, blocks
+# recomputed under activation checkpointing) and reduce-scatters, bytes padded where no rank
+# count divides a dim; under tp (a tp rank's rows), a pipeline (each stage a root of its own)
+# and hsdp (the reduced shards all-reduced over the replicas)
+CASES[2].update({
+    "llama_fsdp2": ("llama_odd", "[plugins.fsdp2]\n"),
+    "llama_fsdp2_kept": ("llama_odd", "[plugins.fsdp2]\nreshard_after_forward = false\n"),
+    "llama_fsdp2_ac": ("llama_odd", "[plugins.fsdp2]\n[plugins.activation_checkpointing]\n"),
+})
+CASES[4].update({
+    "llama_tp_fsdp2": ("llama_odd_mlp", "[plugins.tp]\nsize = 2\n[plugins.fsdp2]\n"),
+    "llama_pp_fsdp2": ("llama_odd", "[plugins.pp]\nsize = 2\n[plugins.fsdp2]\n"),
+    "llama_hsdp": ("llama_odd", "[plugins.fsdp2]\n[plugins.hsdp]\nsize = 2\n"),
+})
 GROUPS = ("tp", "cp", "ep", "pp")
-#: torch's op (its name without underscores) -> the dry run's. fsdp2's own c10d ops
-#: (``_allgather_base_``, ``_reduce_scatter_base_``) are not among them: its group may hold
-#: the ranks of ep's or cp's.
+#: torch's op (its name without underscores) -> the dry run's: the functional collectives
+#: (DTensor's, tp's, cp's, ep's), c10d's own (the pipeline's p2p, the strategies': DDP's
+#: buckets, FSDP2's ``_allgather_base_`` and ``_reduce_scatter_base_``, HSDP's all-reduce)
 OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
        "all_reduce": "all_reduce", "allreduce": "all_reduce", "all_to_all_single": "all_to_all",
        "alltoall_base": "all_to_all", "send": "send/recv", "recv": "send/recv",
-       "broadcast": "broadcast"}
+       "broadcast": "broadcast", "allgather_base": "all_gather",
+       "reduce_scatter_base": "reduce_scatter"}
 
 
 def _counter():
@@ -202,8 +230,8 @@ def _counter():
                          else _resolve_process_group(bound["group_name"]))
                 # an all-to-all's input: what this rank sends (the router decides what it gets)
                 tensors = [bound["input"]] if op == "all_to_all" else [
-                    t for t in (args[0], out) for t in (t if isinstance(t, (list, tuple))
-                                                        else [t]) if isinstance(t, torch.Tensor)]
+                    t for t in (*args, out) for t in (t if isinstance(t, (list, tuple))
+                                                      else [t]) if isinstance(t, torch.Tensor)]
                 row = self.seen[op, tuple(dist.get_process_group_ranks(group))]
                 row[0] += 1
                 row[1] += max(t.numel() * t.element_size() for t in tensors)
@@ -230,7 +258,11 @@ def run_cases(rank: int, world: int) -> dict:
                   "qwen3_moe": tiny_qwen3_moe,
                   "mixtral": tiny_mixtral,
                   "llama4": lambda: tiny_llama(layers=4),
-                  "llama_tied": lambda: tiny_llama(tie_word_embeddings=True)}
+                  "llama_tied": lambda: tiny_llama(tie_word_embeddings=True),
+                  # rows no rank count divides: fsdp2 pads each shard (a vocabulary of 129 to
+                  # 130 at world 2; 130 MLP rows to 132 at 4, a tp rank's 65 to 66 over dp 2)
+                  "llama_odd": lambda: tiny_llama(vocab_size=129, intermediate_size=130),
+                  "llama_odd_mlp": lambda: tiny_llama(intermediate_size=130)}
         parallel = plan.apply(models[model](), ctx)
         lay = ctx.layout
         pipeline = loads_pipeline(f"[data]\nseq_len = {SEQ}\n[train]\nglobal_batch_size = "
@@ -238,30 +270,41 @@ def run_cases(rank: int, world: int) -> dict:
         dp = ctx.mesh("dp") if lay.dp > 1 else None
         tokens = batch(global_batch=BATCH * (dp.size() if dp else 1), seq=SEQ)
         local = tokens.chunk(dp.size())[dp.get_local_rank()] if dp else tokens
-        members = {g: tuple(dist.get_process_group_ranks(ctx.mesh(g).get_group()))
-                   for g in GROUPS if getattr(lay, g) > 1}
-        axes = {ranks: g for g, ranks in members.items()}
-        assert len(axes) == len(members), members  # each axis told apart by its ranks
         # the training step itself (ParallelModel.step): gradient sync off but on the last
         # micro-batch; a pipeline schedule takes the whole batch (its microbatches are the
         # accumulation) and completes the gradients after it
         runner = parallel.runner
         count = _counter()
         _runtimes_own_uncounted(parallel, count)
-        if runner is not None:  # its first step of a batch shape sends the stages' shapes too
-            parallel.step(local, None)
+        micro = None if runner is not None else MICRO
+        # uncounted steps first: a pipeline's first step of a batch shape sends the stages'
+        # shapes too; DDP reduces its first step's gradients in one bucket, then rebuilds its
+        # buckets and broadcasts them in the second
+        ddp = any(s.plugin == "ddp" for s in plan.steps)
+        for _ in range(2 if ddp else 1 if runner is not None else 0):
+            parallel.step(local, None, micro_batch_size=micro)
             for part in (parallel.module, *parallel.parts):
                 part.zero_grad(set_to_none=True)
         with count:
-            parallel.step(local, None, micro_batch_size=None if runner is not None else MICRO)
-        measured = {(op, axes[r]): row for (op, r), row in count.seen.items() if r in axes}
+            parallel.step(local, None, micro_batch_size=micro)
+        rows = collectives(parallel, pipeline, plan, ctx)
+        # a group is told by its ranks: the rows of groups with the same ranks (cp's and
+        # fsdp2's dp_shard_cp at world 2) are compared together, under both names
+        named = {g for g in GROUPS if getattr(lay, g) > 1} | {row["group"] for row in rows}
+        ranks = {g: tuple(dist.get_process_group_ranks(ctx.mesh(g).get_group())) for g in named}
+        label = collections.defaultdict(list)
+        for g in sorted(named):
+            label[ranks[g]].append(g)
+        label = {r: "/".join(gs) for r, gs in label.items()}
+        # a collective on a group no row names shows as its ranks
+        measured = {(op, label.get(r, r)): row for (op, r), row in count.seen.items()}
         declared = collections.defaultdict(lambda: [0, 0])
-        for row in collectives(parallel, pipeline, plan, ctx):
-            if row["group"] in GROUPS:
-                declared[row["op"], row["group"]][0] += row["count"]
-                declared[row["op"], row["group"]][1] += row["bytes"]
+        for row in rows:
+            declared[row["op"], label[ranks[row["group"]]]][0] += row["count"]
+            declared[row["op"], label[ranks[row["group"]]]][1] += row["bytes"]
         out[name] = {"measured": {k: tuple(v) for k, v in measured.items()},
-                     "declared": {k: tuple(v) for k, v in declared.items()}, "members": members}
+                     "declared": {k: tuple(v) for k, v in declared.items()},
+                     "members": {g: r for r, g in label.items()}}
     return out
 
 

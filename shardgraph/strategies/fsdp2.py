@@ -102,7 +102,11 @@ def _apply(model: nn.Module, options: FSDP2Options, ctx: MeshContext, inputs: di
     pipeline = inputs.get("pipeline_parallel")
     roots = pipeline.parts() if isinstance(pipeline, StepRunner) else [model]
     for root in roots:
-        shard(root, ctx.fsdp_mesh, reshard_after_forward=reshard, root=True)
+        # never resharded after forward, as torch does for a root left to its default: its
+        # parameters (the LM head, the final norm) are the first that backward needs, and
+        # resharding them gathers them again at once (a step of two micro-batches over two
+        # blocks: 12 all-gathers, 10 without)
+        shard(root, ctx.fsdp_mesh, reshard_after_forward=False, root=True)
     return model
 
 
@@ -114,43 +118,64 @@ def _export(options: FSDP2Options, layout, inputs: dict[str, Any]) -> dict[str, 
 
 def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
                  inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
-    """Every unit's all-gathers (forward; backward again where it reshards after forward)
-    and its gradient reduce-scatter, once per gradient sync (``BatchShape.grad_syncs``: on the
-    last micro-batch only with ``defer_fsdp_grad_sync``, else in every backward)."""
+    """Every unit's all-gather in each forward (and again in backward where it reshards after
+    forward), and its gradients' reduce-scatter once per gradient sync (``BatchShape.grad_syncs``:
+    on the last micro-batch only with ``defer_fsdp_grad_sync``, else in every backward), over the
+    unit's own shard axis (``dp_shard_cp``; ``dp_shard`` under hsdp, which then all-reduces the
+    reduced shard over ``dp_replicate``; ep's experts: ``ep_shard``). A unit over one rank
+    issues none. Bytes are torch's buffers: every rank's shard padded to the largest one (dim 0
+    rounded up to a multiple of the axis's size), so the same on every rank."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    unit_ids = {id(u) for u in units}
-    inside = {id(m) for u in units for m in u.modules() if m is not u and id(m) in unit_ids}
-    gather = scatter = gathers = scatters = 0
-    for u in units:
-        nested = {id(p) for m in u.modules() if m is not u and id(m) in unit_ids
-                  for p in m.parameters()}
-        own = [p for p in u.parameters() if id(p) not in nested]
-        if not own:
+    # a pipeline's stages are roots of their own, outside the model (_apply)
+    pipeline = inputs.get("pipeline_parallel")
+    roots = [model, *(pipeline.parts() if isinstance(pipeline, StepRunner) else [])]
+    units = {id(m): m for root in roots for m in root.modules() if isinstance(m, FSDPModule)}
+    rows: dict[tuple[str, str], list[int]] = {}
+    for unit in units.values():
+        # no public accessor for a unit's parameters, mesh and policy
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is None:  # a unit with no parameters of its own
             continue
-        state = u._get_fsdp_state()._fsdp_param_group  # no public accessor for a unit's policy
-        size = state.mesh_info.shard_mesh_size
-        mp = state.mp_policy
-        p_dtype, r_dtype = mp.param_dtype, mp.reduce_dtype or mp.param_dtype
-        local = [(p.to_local() if isinstance(p, DTensor) else p) for p in own]
-        g = sum(t.numel() * size * (p_dtype or t.dtype).itemsize for t in local)
-        r = sum(t.numel() * size * (r_dtype or t.dtype).itemsize for t in local)
-        # a root is not resharded after forward: one all-gather serves its backward too
-        times = 2 if state.post_forward_mesh_info is not None and id(u) in inside else 1
-        gathers += batch.micro_batches * times
-        gather += g * batch.micro_batches * times
-        scatters += batch.grad_syncs
-        scatter += r * batch.grad_syncs
-    lay = ctx.layout
-    return (collective("all_gather", "dp_shard_cp", gathers, gather, "FSDP2 unsharded "
-                       "parameters (forward, and backward when resharded after forward)")
-            + collective("reduce_scatter", "dp_shard_cp", scatters, scatter, "FSDP2 gradients "
-                         "(last micro-batch only with defer_fsdp_grad_sync, else every one)")
-            + (collective("all_reduce", "dp_replicate", scatters,
-                          scatter // max(lay.dp_shard * lay.cp, 1),
-                          "HSDP gradient shards across replicas") if lay.dp_replicate > 1 else []))
+        info, mp = group.mesh_info, group.mp_policy
+        size, names = info.shard_mesh_size, info.mesh.mesh_dim_names
+        trained = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+        reduced = _padded_bytes(trained, size, mp.reduce_dtype or mp.param_dtype)
+        if size > 1:
+            # A pipeline's stage keeps its units gathered from its first microbatch's forward
+            # to its last backward: once a step, the schedule's one pass. Resharded after
+            # forward (not the default under pp) they gather again as often as the schedule's
+            # order finds them sharded, which these rows do not count.
+            gathers = batch.micro_batches * (2 if group.post_forward_mesh_info is not None else 1)
+            _add(rows, "all_gather", names[info.shard_mesh_dim], gathers,
+                 gathers * _padded_bytes(group.fsdp_params, size, mp.param_dtype))
+            if trained:
+                _add(rows, "reduce_scatter", names[info.shard_mesh_dim], batch.grad_syncs,
+                     batch.grad_syncs * reduced)
+        if trained and getattr(info, "replicate_mesh_dim", None) is not None:
+            _add(rows, "all_reduce", names[info.replicate_mesh_dim], batch.grad_syncs,
+                 batch.grad_syncs * reduced // size)
+    what = {"all_gather": "FSDP2 unsharded parameters (forward, and backward when resharded "
+                          "after forward)",
+            "reduce_scatter": "FSDP2 gradients (last micro-batch only with "
+                              "defer_fsdp_grad_sync, else every one)",
+            "all_reduce": "HSDP gradient shards across replicas"}
+    return [row for (op, group), (count, nbytes) in rows.items()
+            for row in collective(op, group, count, nbytes, what[op])]
+
+
+def _padded_bytes(params: list, size: int, dtype) -> int:
+    """The bytes of the whole tensor FSDP2 gathers or reduces for ``params`` (its
+    ``FSDPParam``s) over ``size`` ranks: each shard padded to the largest one."""
+    return sum(p.padded_sharded_param_size.numel() * size
+               * (dtype or p.sharded_param.dtype).itemsize for p in params)
+
+
+def _add(rows: dict[tuple[str, str], list[int]], op: str, group: str, count: int,
+         nbytes: int) -> None:
+    row = rows.setdefault((op, group), [0, 0])
+    row[0] += count
+    row[1] += nbytes
 
 
 def _grad_sync(model: nn.Module, options: FSDP2Options, enabled: bool) -> None:
