@@ -6,10 +6,10 @@ microbatches of one, then the pipeline's ``reduce_grads``) counted at the dispat
 DTensor (the collectives DTensor issues inside an op too), group by group, call by call and
 byte by byte, against the rows ``shardgraph dryrun`` prints for the same plan
 (``train/dryrun.collectives``). The strategy's rows are compared too: fsdp2 (alone, resharding
-after forward or not, under activation checkpointing, tp, cp, ep, LoRA and a pipeline; hsdp),
-whose collectives reach the dispatcher as c10d's own ops (``_allgather_base_``,
-``_reduce_scatter_base_``, ``allreduce_``); their bytes are torch's buffers, padded where no
-rank count divides a parameter's rows. The runtime's own reductions (token
+after forward or not, under activation checkpointing, tp, cp, ep, LoRA and a pipeline; hsdp) and
+ddp, whose collectives reach the dispatcher as c10d's own ops (``_allgather_base_``,
+``_reduce_scatter_base_``, ``allreduce_``, ``broadcast_``); their bytes are torch's buffers,
+padded where no rank count divides a parameter's rows. The runtime's own reductions (token
 count, loss, the gradient norm's squares) are not compared here.
 
 What cannot be compared rank by rank, and how it is compared instead:
@@ -20,7 +20,9 @@ What cannot be compared rank by rank, and how it is compared instead:
   ranks of each ep group (calls still rank by rank);
 - torch's pipeline stages send each other their shapes in the first step of a batch shape
   (shape inference) and the pipeline checks a tied weight's layout once: a pipeline runs one
-  uncounted step first, and the rows are a step's from the second on.
+  uncounted step first, and the rows are a step's from the second on; DDP reduces its first
+  step's gradients in one bucket and broadcasts its rebuilt buckets in the second: two
+  uncounted steps.
 
 The step is ``ParallelModel.step`` itself: gradient sync off but on the last micro-batch, as a
 real step runs it (fsdp2's ``defer_fsdp_grad_sync``, the default, follows; one case turns it
@@ -48,7 +50,9 @@ per rank, 2 issued, the stage roots missed; a root resharded after forward: 10 a
 declared, 12 issued, over two blocks and two micro-batches; ep's experts over one rank: 14
 declared, 12 issued; LoRA's frozen root: 3 reduce-scatters of 205,312 B declared, 2 of 23,552 B
 issued; a vocabulary of 129 at world 2: rank 1 declared its own shorter shards, 1,327,616 B of
-all-gathers, where both ranks gather 1,329,664 B)."""
+all-gathers, where both ranks gather 1,329,664 B). ddp's: 4 all-reduces declared (the bytes
+over the bucket size, rounded up), 3 issued (buckets close once full), and its buffers'
+broadcast (64 B) undeclared."""
 
 from __future__ import annotations
 
@@ -178,6 +182,9 @@ CASES[4].update({
     "llama_pp_fsdp2": ("llama_odd", "[plugins.pp]\nsize = 2\n[plugins.fsdp2]\n"),
     "llama_hsdp": ("llama_odd", "[plugins.fsdp2]\n[plugins.hsdp]\nsize = 2\n"),
 })
+# ddp: its buckets (0.1 MiB: three of the 365,312 gradient bytes) and the rotary tables it
+# broadcasts before a forward that syncs
+CASES[2]["llama_ddp"] = ("llama_odd", "[plugins.ddp]\nbucket_cap_mb = 0.1\n")
 GROUPS = ("tp", "cp", "ep", "pp")
 #: torch's op (its name without underscores) -> the dry run's: the functional collectives
 #: (DTensor's, tp's, cp's, ep's), c10d's own (the pipeline's p2p, the strategies': DDP's

@@ -48,9 +48,36 @@ def _apply(model: nn.Module, options: DDPOptions, ctx: MeshContext, inputs: dict
 
 def _collectives(model: nn.Module, options: DDPOptions, ctx: MeshContext,
                  inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
-    grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    bucket = options.bucket_cap_mb * 2**20
-    return collective("all_reduce", "dp", math.ceil(grad / bucket), grad, "DDP gradient buckets")
+    """A step's from the third on: DDP reduces the first step's gradients in one bucket, then
+    rebuilds its buckets in the order backward produced them and broadcasts that order in the
+    second. Each bucket (``bucket_cap_mb``, filled in reverse parameter order, one dtype each) is
+    all-reduced once per gradient sync; the forward of each pass that syncs first broadcasts
+    the module's buffers from rank 0 (``broadcast_buffers``, DDP's default: rotary tables too),
+    coalesced in buckets of ``broadcast_bucket_size``."""
+    trained = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+    grad = sum(p.numel() * p.element_size() for p in trained)
+    rows = collective("all_reduce", "dp", _buckets(trained, options.bucket_cap_mb * 2**20)
+                      * batch.grad_syncs, grad * batch.grad_syncs, "DDP gradient buckets")
+    buffers = list(model.buffers())
+    if getattr(model, "broadcast_buffers", False) and buffers:
+        cap = getattr(model, "broadcast_bucket_size", 250 * 2**20)
+        rows += collective("broadcast", "dp", _buckets(buffers, cap) * batch.grad_syncs,
+                           sum(b.numel() * b.element_size() for b in buffers) * batch.grad_syncs,
+                           "DDP buffers from rank 0, before each forward that syncs")
+    return rows
+
+
+def _buckets(tensors: list, cap: float) -> int:
+    """How many buckets DDP fills with ``tensors`` in this order: one open bucket per dtype,
+    closed once it holds ``cap`` bytes or more."""
+    open_: dict[Any, int] = {}
+    closed = 0
+    for t in tensors:
+        open_[t.dtype] = open_.get(t.dtype, 0) + t.numel() * t.element_size()
+        if open_[t.dtype] >= cap:
+            closed += 1
+            del open_[t.dtype]
+    return closed + len(open_)
 
 
 def _grad_sync(model: nn.Module, options: DDPOptions, enabled: bool) -> None:
