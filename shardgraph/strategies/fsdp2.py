@@ -29,8 +29,9 @@ if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is r
 
 @attrs.frozen
 class FSDP2Options:
-    #: free unsharded parameters after forward (ZeRO-3); False keeps them (ZeRO-2-like).
-    #: Unset: on, but off under pp, where each microbatch's backward would gather them again
+    #: free the blocks' unsharded parameters after forward (ZeRO-3); False keeps them
+    #: (ZeRO-2-like). Unset: on, but off under pp, where each microbatch's backward would
+    #: gather them again. A root keeps its own either way, as torch's default root does
     reshard_after_forward: bool | None = None
     #: reduce gradients only on the last micro-batch (``Plan.gradient_sync``)
     defer_fsdp_grad_sync: bool = True
