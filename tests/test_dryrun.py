@@ -154,6 +154,25 @@ def test_fsdp2_reduces_once_a_step_or_in_every_backward():
     assert scatters("false", 4) == once
 
 
+@pytest.mark.parametrize("strategy, options, syncs", [
+    ("fsdp2", {}, 1), ("fsdp2", {"defer_fsdp_grad_sync": False}, 4), ("ddp", {}, 1),
+    # megatron-fsdp reduces sharded gradients (ZeRO 2, 3) in every backward, whatever its
+    # no_sync says; ZeRO 0 and 1 reduce on the last micro-batch only
+    ("megatron_fsdp", {"zero_dp_strategy": 0}, 1), ("megatron_fsdp", {"zero_dp_strategy": 1}, 1),
+    ("megatron_fsdp", {"zero_dp_strategy": 2}, 4), ("megatron_fsdp", {}, 4),
+])
+def test_the_passes_that_reduce_gradients_are_the_strategys(strategy, options, syncs):
+    """Of a step's four passes, those whose backward reduces the gradients (each row that
+    follows the reduction counts them: a strategy's, tp's partial gradients under it), from
+    the strategy's declared grad_sync and cost. megatron_fsdp runs on CUDA only: its
+    declaration is what this checks."""
+    from shardgraph import Graph
+    from shardgraph.train.dryrun import grad_syncs
+
+    plan = Graph().add(strategy, **options).compile(world_size=8)
+    assert grad_syncs(plan, passes=4) == syncs
+
+
 GEMMA4 = """
 [model]
 architecture = "Gemma4ForCausalLM"

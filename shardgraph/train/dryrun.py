@@ -97,18 +97,11 @@ def collectives(parallel, pipeline: Pipeline, plan, ctx) -> list[dict[str, Any]]
     # its layers still run once per microbatch.
     runner = parallel.runner
     passes = 1 if runner is not None else local_batch // (t.micro_batch_size or local_batch)
-    # ParallelModel.step turns gradient sync off but on the last pass: a step that declares
-    # grad_sync defers its reduction there, unless its cost says it does not
-    syncing = [(plan.registry.get(s.plugin), s.options) for s in plan.steps
-               if plan.registry.get(s.plugin).grad_sync is not None]
-    deferred = bool(syncing) and all(
-        plugin.cost is None or plugin.cost(options, lay).defer_grad_sync is not False
-        for plugin, options in syncing)
     batch = BatchShape(local_batch=local_batch, micro_batches=passes,
                        seq_len=pipeline.data.seq_len // max(lay.cp, 1),
                        hidden=getattr(config, "hidden_size", 0), act_bytes=torch.float32.itemsize,
                        forwards=local_batch // runner.microbatch_size if runner else passes,
-                       grad_syncs=1 if deferred else passes)
+                       grad_syncs=grad_syncs(plan, passes))
     rows: list[dict[str, Any]] = []
     for step in plan.steps:
         plugin = plan.registry.get(step.plugin)
@@ -116,6 +109,18 @@ def collectives(parallel, pipeline: Pipeline, plan, ctx) -> list[dict[str, Any]]
             rows += plugin.collectives(parallel.module, step.options, ctx,
                                        plan.inputs_of(step, parallel.values), batch)
     return rows
+
+
+def grad_syncs(plan, passes: int) -> int:
+    """Of a step's ``passes``, those whose backward reduces the gradients over the data-parallel
+    axes: ``ParallelModel.step`` turns gradient sync off but on the last pass, so a step that
+    declares ``grad_sync`` defers its reduction there, unless its cost says it does not."""
+    syncing = [(plan.registry.get(s.plugin), s.options) for s in plan.steps
+               if plan.registry.get(s.plugin).grad_sync is not None]
+    deferred = bool(syncing) and all(
+        plugin.cost is None or plugin.cost(options, plan.layout).defer_grad_sync is not False
+        for plugin, options in syncing)
+    return 1 if deferred else passes
 
 
 def render(report: dict[str, Any]) -> str:
