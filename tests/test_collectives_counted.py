@@ -316,22 +316,17 @@ def run_cases(rank: int, world: int) -> dict:
 
 
 def _runtimes_own_uncounted(parallel, count) -> None:
-    """The counter pauses in the step's own reductions (the token count, the loss and the
-    gradient norm's squares, which no plugin declares), but for the partial gradients the
-    gradient norm sums first where no strategy did (``_sum_partial_grads``; tp's and sp's
-    rows): counted, then the norm finds none left."""
-    own_sum, own_norm = parallel._sum, parallel.grad_norm
+    """The counter pauses in the step's own reductions (``ParallelModel.own_reduction``: the
+    token count, the loss and the gradient norm's squares, which no plugin declares). The
+    partial gradients the gradient norm sums first where no strategy did (tp's and sp's rows)
+    are counted."""
+    own = parallel.own_reduction
 
-    def _sum(value, group):
+    def own_reduction(value, group):
         with count.pause():
-            return own_sum(value, group)
+            return own(value, group)
 
-    def grad_norm():
-        parallel._sum_partial_grads()
-        with count.pause():
-            return own_norm()
-
-    parallel._sum, parallel.grad_norm = _sum, grad_norm
+    parallel.own_reduction = own_reduction
 
 
 @pytest.fixture(scope="module", params=[2, 4])

@@ -166,7 +166,11 @@ class ParallelModel:
             return None
         return self.ctx.mesh("dp_cp" if Axis.CP in axes and lay.cp > 1 else "dp").get_group()
 
-    def _sum(self, value: torch.Tensor, group) -> torch.Tensor:
+    def own_reduction(self, value: torch.Tensor, group) -> torch.Tensor:
+        """Sum ``value`` in place over ``group`` (None: this rank alone) and return it: every
+        reduction the step makes of its own (the token count, the loss, the gradient norm's
+        squares) and no other, since no plugin declares these: a count of the collectives
+        the plugins declare leaves out what passes here."""
         if group is not None:
             dist.all_reduce(value, group=group)
         return value
@@ -229,10 +233,10 @@ class ParallelModel:
             for dim, placement in enumerate(placements):
                 # _StridedShard (fully_shard over a tp-sharded dim) answers is_shard() False
                 if not placement.is_replicate():
-                    dist.all_reduce(local, group=mesh.get_group(dim))
+                    self.own_reduction(local, mesh.get_group(dim))
             square += local.to(device)
         if self.ctx.device_mesh is not None and self.ctx.layout.pp > 1:
-            dist.all_reduce(square, group=self.ctx.mesh(Axis.PP).get_group())
+            self.own_reduction(square, self.ctx.mesh(Axis.PP).get_group())
         return square.sqrt()
 
     def _sum_partial_grads(self) -> None:
@@ -282,7 +286,7 @@ class ParallelModel:
         labels = shift_labels(batch.get("labels", batch["input_ids"]).to(self.ctx.device))
         lay = self.ctx.layout
         data = self._group(Axis.DP)
-        count = self._sum((labels != IGNORE).sum().to(torch.int64), data)
+        count = self.own_reduction((labels != IGNORE).sum().to(torch.int64), data)
         total = int(count)
         ranks = lay.dp * lay.cp  # distinct tokens; the strategy averages gradients over them
         scale = ranks / max(total, 1)
@@ -300,7 +304,7 @@ class ParallelModel:
             loss += self.forward_backward(ids, lab, loss_fn, pos).float().reshape(())
         if self.runner is not None:
             self.runner.reduce_grads()
-        loss = self._sum(loss, self._group(Axis.DP, Axis.CP)) / ranks
+        loss = self.own_reduction(loss, self._group(Axis.DP, Axis.CP)) / ranks
         norm = self.grad_norm()
         if grad_clip > 0:
             self.clip_grads_(grad_clip, norm)
@@ -319,7 +323,7 @@ class ParallelModel:
             batch = {"input_ids": batch}
         input_ids = batch["input_ids"].to(self.ctx.device)
         labels = shift_labels(batch.get("labels", batch["input_ids"]).to(self.ctx.device))
-        count = self._sum((labels != IGNORE).sum().to(torch.int64), self._group(Axis.DP))
+        count = self.own_reduction((labels != IGNORE).sum().to(torch.int64), self._group(Axis.DP))
 
         loss_fn = self.token_loss()  # the summed token losses, as a step computes them
 
@@ -347,7 +351,7 @@ class ParallelModel:
                 for part in self.parts:
                     plugin.after_forward_only(part, step.options)
         # each of dp x cp holds distinct tokens; tp ranks hold the same sum, pp's is broadcast
-        return float(self._sum(total, self._group(Axis.DP, Axis.CP))), int(count)
+        return float(self.own_reduction(total, self._group(Axis.DP, Axis.CP))), int(count)
 
 
 def _split(batch: Mapping[str, Any], size: int, device: torch.device
