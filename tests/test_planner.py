@@ -1127,6 +1127,61 @@ def test_the_experts_rings_are_priced_with_their_groups_members_in_a_node(monkey
                                                ("reduce_scatter", 4, True, 2, 2)}
 
 
+TINY_MOE = """[model]
+architecture = "Qwen3MoeForCausalLM"
+[model.config]
+vocab_size = 256
+hidden_size = 64
+intermediate_size = 128
+moe_intermediate_size = 32
+num_hidden_layers = 4
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 16
+num_experts = 8
+num_experts_per_tok = 2
+[data]
+seq_len = 64
+[train]
+global_batch_size = 16
+micro_batch_size = 2
+[plugins.fsdp2]
+[plugins.ep]
+size = 2
+"""
+
+
+@pytest.mark.parametrize("extra", [
+    "", "[plugins.activation_checkpointing]\n", "[plugins.pp]\nsize = 2\nmicrobatch_size = 2\n",
+    "[plugins.cp]\nsize = 2\n"], ids=["ep", "ep_full_ac", "ep_pp", "ep_cp"])
+def test_eps_all_to_alls_are_priced_as_the_dry_run_declares_them(extra):
+    """The planner prices the all-to-alls the dry run declares for ep (tests/
+    test_collectives_counted.py counts those against what torch issues): a tiny Qwen3-MoE at
+    world 4, ep 2, alone, with full checkpointing, under pp 2 and under cp 2; the planner's ep
+    time equals the dry run's rows, each call priced as the planner prices one. Among them the
+    tokens per expert (int64, 8 bytes an expert) that every dispatch exchanges first, again
+    where a block is recomputed: before ep's cost declared them the planner priced 0.80 of the
+    dry run's ep time (0.75 with full checkpointing)."""
+    from shardgraph.planner.cost import _collective, step_time
+    from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.gpus import PRESETS
+    from shardgraph.planner.shape import model_shape
+    from shardgraph.planner.view import plan_view
+    from shardgraph.train.dryrun import dryrun
+
+    pipeline = loads_pipeline(TINY_MOE + extra)
+    rows = [r for r in dryrun(pipeline, world_size=4)["collectives"] if r["group"] == "ep"]
+    counts = [r for r in rows if r["what"].startswith("tokens per expert")]
+    assert len(counts) == 1 and counts[0]["bytes"] == counts[0]["count"] * 8 * 8
+    shape, view, gpu = model_shape(pipeline.model), plan_view(pipeline.graph.compile(4)), \
+        PRESETS["H100-SXM"]
+    priced = step_time(shape, view, predict.setup_of(pipeline), gpu, FITTED)
+    declared = sum(r["count"] * _collective("all_to_all", 2, r["bytes"] / r["count"], False, gpu,
+                                            FITTED, 2, 2) for r in rows)
+    assert {r["op"] for r in rows} == {"all_to_all"}
+    assert priced["breakdown_s"]["exposed_comm"]["ep"] == pytest.approx(declared, rel=1e-9)
+
+
 def test_a_short_reduction_costs_a_matmul_its_tiles_fixed_share():
     """Each output tile of a matmul fills its pipeline and writes its result once, whatever its
     reduction length k: a matmul runs at k / (k + k0) of the intensity curve (k0 fitted, 256;

@@ -13,6 +13,8 @@ collective (``Comm``) moves, per micro-batch on this rank:
 - ``routed``: the tokens this rank holds (a tp rank's share of the sequence under sequence
   parallelism) x top-k x the hidden size (a mixture of experts' dispatch);
 - ``logits``: the tokens x the vocabulary (the LM head's output);
+- ``expert_counts``: the number of experts x 8 bytes, whatever the tokens (int64 counts of the
+  tokens this rank routes to each expert, which the ep group exchanges before a dispatch);
 
 once per block (``per = "layer"``), per mixture-of-experts block (``"moe_layer"``) or once on
 the last pipeline stage (``"head"``).
@@ -25,7 +27,7 @@ from collections.abc import Callable
 import attrs
 
 #: what a collective's size is a multiple of
-SIZES = ("activation", "kv", "routed", "logits")
+SIZES = ("activation", "kv", "routed", "logits", "expert_counts")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "ring")
 PER = ("layer", "moe_layer", "head")
 

@@ -284,6 +284,8 @@ def comm_bytes(shape: ModelShape, v: PlanView, size: str, tokens: int) -> float:
         return local * kv_width(shape, v) * cb
     if size == "routed":  # each rank dispatches the tokens it holds: a tp rank's share under sp
         return local / (v.tp if v.sp else 1) * shape.top_k * shape.hidden * cb
+    if size == "expert_counts":  # int64, one per expert
+        return shape.experts * 8
     return local * shape.vocab * cb  # logits
 
 

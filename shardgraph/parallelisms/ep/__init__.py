@@ -166,9 +166,12 @@ def _layer_index(fqn: str) -> int | None:
 
 
 def _cost(options, layout) -> Cost:
-    # dispatch and combine of the routed tokens, forward and backward
+    # dispatch and combine of the routed tokens, forward and backward; before each dispatch the
+    # tokens per expert (``_dispatch``: the split sizes), forward only, as ``_collectives`` says
     return Cost(comms=(Comm("ep", "all_to_all", "routed", forward=2, backward=2,
-                            per="moe_layer"),))
+                            per="moe_layer"),
+                       Comm("ep", "all_to_all", "expert_counts", forward=1,
+                            per="moe_layer")))
 
 
 PLUGIN = Plugin(
