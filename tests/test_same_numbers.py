@@ -10,11 +10,11 @@ The reference is written with plain torch: the token-weighted mean cross-entropy
 batch, micro-batches accumulated, ``clip_grad_norm_``, ``AdamW.step``. Under fsdp2, hsdp, ddp,
 tp, tp + sp, cp, cp x tp, pp (1F1B, interleaved 1F1B, zero bubble; with dp, with tp, with
 tp + sp and the loss computed in parallel, with cp),
-ep x dp, DeepSeek-V3's attention (MLA) under its own tp plan with sp x dp, pp with tied input
-and output embeddings (1F1B at pp 4, interleaved x dp, zero bubble x dp, pp x tp), and with
-selective activation checkpointing (fsdp2, tp + sp, ep) and per-block torch.compile (aot_eager,
-under fsdp2 + full checkpointing, hsdp, ddp, tp, tp + sp + selective, cp + selective, pp,
-ep + full),
+ep x dp, ep x pp, ep x cp, DeepSeek-V3's attention (MLA) under its own tp plan with sp x dp,
+pp with tied input and output embeddings (1F1B at pp 4, interleaved x dp, zero bubble x dp,
+pp x tp), and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block
+torch.compile (aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, tp, tp + sp + selective,
+cp + selective, pp, ep + full),
 and a LoRA model (``lora`` on every linear but the LM head; its one-process reference is the
 same plan at world size 1, trained in plain torch) under fsdp2, tp x fsdp2, tp + sp, pp x dp, cp,
 and the MoE model's under ep x dp:
@@ -133,6 +133,13 @@ LAYOUTS = {
     "pp2_cp2_fsdp2": ("llama", lambda: Graph().add("pp", size=2).add("cp", size=2)
                       .add("fsdp2"), 2),
     "ep2_fsdp2": ("moe", lambda: Graph().add("ep", size=2).add("fsdp2"), 1),
+    # ep inside each pipeline stage (the experts' all-to-alls within a stage's ranks, the
+    # gradient norm's squares summed over pp), and ep over cp (each rank routes its own chunk
+    # of every sequence; the experts' unit over ep_shard = 2 spans dp)
+    "ep2_pp2_fsdp2": ("moe", lambda: Graph().add("ep", size=2).add("pp", size=2)
+                      .add("fsdp2"), 2),
+    "ep2_cp2_fsdp2": ("moe", lambda: Graph().add("ep", size=2).add("cp", size=2)
+                      .add("fsdp2"), 2),
     # selective activation checkpointing, then per-block torch.compile (aot_eager: inductor's
     # kernels are checked once in one process, test_compile.py) over every kind of layout
     "fsdp2_sac": ("llama", lambda: Graph().add("activation_checkpointing", mode="selective")

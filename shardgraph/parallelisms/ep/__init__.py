@@ -8,8 +8,10 @@ own ``fully_shard`` unit over ``ep_shard`` (as in torchtitan) before the data-pa
 wraps the blocks around them; router, attention and shared experts stay dense and are left to
 that strategy.
 
-Not yet: ``wrap_outer_model = false`` is refused (fsdp2 always wraps the root); pp and cp are
-untested with ep (under cp each rank's load-balancing loss covers its own sequence chunk only).
+ep composes with pp (the all-to-alls stay inside a stage's ranks: the MoE mesh's ep is inside
+pp) and with cp (each rank routes the tokens of its own chunk of every sequence); both train to
+one process's numbers (tests/test_same_numbers.py). Not yet: ``wrap_outer_model = false`` is
+refused (fsdp2 always wraps the root), and tp (the MoE mesh has no room for it).
 """
 
 from __future__ import annotations
