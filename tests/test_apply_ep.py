@@ -339,6 +339,27 @@ def test_wrap_outer_model_false_is_refused_at_compile_time():
     assert Graph().add("ep", size=2, wrap_outer_model=True).add("fsdp2").compile(world_size=2)
 
 
+@pytest.mark.parametrize("schedule", ["zero_bubble", "v_schedule"])
+def test_keeping_the_router_is_refused_where_backward_is_split(schedule):
+    """Under a schedule that splits backward the checkpointed blocks are recomputed by torch's
+    plain checkpoint, again for each parameter group of the weight pass (measured at pp 2: each
+    router ran 13 times a microbatch, none of its outputs kept): ignore_router_for_ac could not
+    keep its promise and is refused, naming both options; a schedule that runs backward whole
+    keeps it."""
+    def graph(schedule, keep=True):
+        return (Graph().add("ep", size=2, ignore_router_for_ac=keep)
+                .add("activation_checkpointing").add("pp", size=2, schedule=schedule)
+                .add("fsdp2"))
+
+    with pytest.raises(PlanError, match=r"ep does not support pp \(split_backward\)") as info:
+        graph(schedule).compile(world_size=4)
+    assert info.value.rule == "conflicts"
+    assert info.value.keys == ("plugins.pp.schedule", "plugins.ep.ignore_router_for_ac")
+    assert "set ignore_router_for_ac = false" in str(info.value)
+    assert graph(schedule, keep=False).compile(world_size=4)
+    assert graph("1f1b").compile(world_size=4)
+
+
 @pytest.mark.multiprocess
 def test_the_strategys_cpu_offload_reaches_the_experts_unit(world2):
     _matches_reference(world2, "ep2_offload")

@@ -25,7 +25,7 @@ from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.model_config import read_layer_values, value_at
 from ...core.values import BatchShape, Recomputation, ShardUnit, collective
-from ...plugins import Kind, Plugin
+from ...plugins import Kind, OptionFlag, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
     import torch.nn as nn
@@ -55,6 +55,19 @@ def _check(options: EPOptions, layout, settings) -> list[Violation]:
         "(embeddings, final norm, LM head) as its root unit",
         hint="remove wrap_outer_model or set it to true",
     )]
+
+
+def _conflicts_with(options: EPOptions) -> dict[str, OptionFlag]:
+    """ignore_router_for_ac cannot keep the router's outputs under a schedule that splits
+    backward: there a checkpointed block is recomputed by torch's plain checkpoint, once for
+    the input gradients and again for each parameter group of the weight pass (torch 2.13's
+    ``stage_backward_weight``: twelve of a tiny Qwen3-MoE block a microbatch at pp 2),
+    and ``Recomputation`` cannot tell the router it is recomputing. Refused rather than
+    recomputing the router silently."""
+    if not options.ignore_router_for_ac:
+        return {}
+    return {"split_backward": OptionFlag(
+        "ignore_router_for_ac", "set ignore_router_for_ac = false under this schedule")}
 
 
 def _expert_placement(experts: nn.Module, ep_shard: int):
@@ -189,6 +202,7 @@ PLUGIN = Plugin(
     reads={"fully_shard", "activation_checkpointing"},
     # The MoE mesh (pp, ep_shard, ep) covers pp * dp * cp ranks: it has no room for tp.
     conflicts={"tensor_parallel"},
+    conflicts_with=_conflicts_with,
     before={"activation_checkpointing", "data_parallel"},
     check=_check,
     model_check=_model_check,
