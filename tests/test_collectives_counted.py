@@ -1,6 +1,6 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp, cp, ep and pp
-(alone and together, with and without full and selective activation checkpointing, with LoRA's
-adapters under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Qwen3-MoE and
+(alone and together, ep with pp and with cp among them, with and without full and selective
+activation checkpointing, with LoRA's adapters under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Qwen3-MoE and
 Mixtral; the training step over two micro-batches, or a pipeline schedule's whole batch in
 microbatches of one, then the pipeline's ``reduce_grads``) counted at the dispatcher below
 DTensor (the collectives DTensor issues inside an op too), group by group, call by call and
@@ -134,6 +134,12 @@ CASES[2].update({
 CASES[4].update({
     "mixtral_ep4": ("mixtral", "[plugins.ep]\nsize = 4\n[plugins.fsdp2]\n"),
     "mixtral_ep2": ("mixtral", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"),
+    # ep inside each pipeline stage (a stage's layers, per microbatch), and over cp (each rank
+    # dispatches its own chunk of the sequence; ep 4: ep 2 would be the cp group's ranks)
+    "qwen3_moe_ep_pp": ("qwen3_moe", "[plugins.ep]\nsize = 2\n[plugins.pp]\nsize = 2\n"
+                                     "[plugins.fsdp2]\n"),
+    "qwen3_moe_ep4_cp": ("qwen3_moe", "[plugins.ep]\nsize = 4\n[plugins.cp]\nsize = 2\n"
+                                      "[plugins.fsdp2]\n"),
 })
 # a selective checkpoint keeps the outputs of ep's all-to-alls, the counts' among them
 CASES[2]["qwen3_moe_ep_selective_ac"] = ("qwen3_moe", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"
