@@ -1153,7 +1153,8 @@ size = 2
 
 @pytest.mark.parametrize("extra", [
     "", "[plugins.activation_checkpointing]\n", "[plugins.pp]\nsize = 2\nmicrobatch_size = 2\n",
-    "[plugins.cp]\nsize = 2\n"], ids=["ep", "ep_full_ac", "ep_pp", "ep_cp"])
+    "[plugins.cp]\nsize = 2\n", "[plugins.activation_checkpointing]\nmode = 'selective'\n"],
+    ids=["ep", "ep_full_ac", "ep_pp", "ep_cp", "ep_selective_ac"])
 def test_eps_all_to_alls_are_priced_as_the_dry_run_declares_them(extra):
     """The planner prices the all-to-alls the dry run declares for ep (tests/
     test_collectives_counted.py counts those against what torch issues): a tiny Qwen3-MoE at
@@ -1161,7 +1162,9 @@ def test_eps_all_to_alls_are_priced_as_the_dry_run_declares_them(extra):
     time equals the dry run's rows, each call priced as the planner prices one. Among them the
     tokens per expert (int64, 8 bytes an expert) that every dispatch exchanges first, again
     where a block is recomputed: before ep's cost declared them the planner priced 0.80 of the
-    dry run's ep time (0.75 with full checkpointing)."""
+    dry run's ep time (0.75 with full checkpointing). A selective checkpoint keeps every
+    collective's output (shardgraph's policy, ``PlanView.sac_saves_gathers``) and issues none
+    again: priced 1.30 times the dry run's when the planner recomputed half of them."""
     from shardgraph.planner.cost import _collective, step_time
     from shardgraph.planner.fitted import FITTED
     from shardgraph.planner.gpus import PRESETS

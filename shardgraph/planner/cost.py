@@ -486,12 +486,15 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     # ep's dispatch), priced on the link their group crosses: inside the passes, so a
     # pipeline's bubble idles for them as for the compute
     in_pass = 0.0
+    # a selective policy that keeps every collective's output (``sac_saves_gathers``:
+    # shardgraph's) issues none of them again when it recomputes a block
+    reissued = 0.0 if v.ac_saves == "alternate_matmuls" and v.sac_saves_gathers else recomputes
     for c in v.comms:
         n = getattr(v, c.axis, 1) if c.axis in AXIS_SIZES else 1
         if n <= 1:
             continue
         count = n_micro * (c.forward + (c.forward - (c.ends_block if stops else 0))
-                           * recomputes + c.backward)
+                           * reissued + c.backward)
         if c.per == "layer":
             count *= layers
         elif c.per == "moe_layer":
