@@ -1,0 +1,204 @@
+"""tp's count of its collectives, the dry run's rows (``collectives``): what torch's DTensor
+styles issue over tp in a step, read from the plan as it met the model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...core.blocks import gradient_reaches
+from ...core.lazy import lazy_module
+from ...core.values import (COLWISE_STYLES, ROWWISE_STYLES, BatchShape, LowRankAdapters,
+                            Recomputation, collective)
+from . import _config
+from ._plan import SPLIT_INPUTS, Resolved, sharing, styles
+
+if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
+    import torch.nn as nn
+
+    from ...core.context import MeshContext
+    from . import TPOptions
+
+recomputed = lazy_module("shardgraph.parallelisms.tp._recompute")
+
+
+def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: MeshContext,
+                inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
+    """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted
+    in tests/test_collectives_counted.py): a rowwise layer's partial output is summed (under sp
+    reduce-scattered along the sequence, whose backward gathers the gradient back, unless sp
+    keeps it whole: ``SequenceSharding.whole``, all-reduced as without sp), and one that takes a
+    whole input (``rowwise_rep``, ``rowwise_split_input``) gathers its input's gradient in
+    backward; every colwise linear's input gradient is summed in backward: once for the module
+    around those that take its own input (attention, MLP: ``share_input_reduction``), under sp
+    by sp's gather (sp's rows); the head's (reduce-scattered under sp) and those of linears fed
+    something else (MLA's q_b_proj and kv_b_proj, after a norm; which ones,
+    ``takes_module_input`` reads from widths) each alone; a gathered colwise output (the logits unless ``loss_parallel``) is
+    all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is
+    all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``); under
+    ``loss_parallel`` torch's cross-entropy on the vocabulary-sharded logits all-reduces three
+    values per token (the largest logit, the sum of exponentials, the label's logit). A
+    checkpointed block runs its forward's again when it recomputes, up to the last tensor
+    backward reads (torch's checkpoint stops there): those of its rowwise layers after which
+    it saves a tensor (``_recomputed_rowwise``); sp's own gathers are sp's rows.
+    A partial gradient is summed by the strategy's reduction in each backward that reduces
+    (``BatchShape.grad_syncs``: once a step where the step defers it); without a strategy
+    (dp * cp = 1) once a step, at the gradient norm (``ParallelModel.grad_norm``). Low-rank
+    adapters beside a split linear sum the partial gradient of their whole factor
+    (``_replicated_factor``): in each backward, by their own hook, or where a strategy takes
+    the factor over (its sharded parameter has no such hook), by its reduction. Backward
+    sums and gathers nothing where no gradient goes (``core.blocks.gradient_reaches``): under a
+    frozen base (LoRA's) the embedding and the first block's input get none."""
+    sequence = inputs.get("sequence_parallel")
+    sp = sequence is not None
+    kept_whole = sequence.whole if sp else frozenset()  # reduced replicated under sp too
+    modules = dict(model.named_modules())
+    mb, tokens, act = batch.forwards, batch.tokens, batch.act_bytes
+    reaches = gradient_reaches(model)
+    rowwise = whole = colwise = gathered = head_in = grads = rope = split_in = adapted = 0
+    n_row = n_whole = n_col = n_gather = n_grads = n_rope = n_split_in = n_back = 0
+    n_adapted = 0
+    shared: dict[str, int] = {}  # module -> the bytes of its input gradient
+    around = set(sharing(resolved.matched, resolved.head, modules))
+    gives_back: dict[str, list[nn.Module]] = {}  # module -> its rowwise linears
+    for fqn, style in resolved.matched.items():
+        if style in SPLIT_INPUTS:
+            gives_back.setdefault(fqn.rpartition(".")[0], []).append(modules[fqn])
+    again = _recomputed_rowwise(model, resolved, modules, inputs.get("activation_checkpointing"))
+    for fqn, style in resolved.matched.items():
+        m = modules[fqn]
+        if style in ROWWISE_STYLES:
+            times = 2 if fqn in again else 1
+            if fqn in kept_whole:
+                n_whole += times
+                whole += times * tokens * batch.hidden * act
+            else:
+                n_row += times
+                rowwise += times * tokens * batch.hidden * act
+                n_back += reaches(fqn, through=True)  # its output's gradient, gathered back
+            if style in ("rowwise_rep", "rowwise_split_input") and reaches(fqn):
+                n_split_in += 1  # split here from a whole input
+                split_in += tokens * m.in_features * act
+        elif style in COLWISE_STYLES:
+            head = fqn == resolved.head
+            parent = fqn.rpartition(".")[0]
+            if head and sp:
+                head_in += tokens * m.in_features * act
+            elif parent in around and styles.takes_module_input(m, gives_back.get(parent, [])):
+                if not sp and reaches(parent):  # the module around it sums its linears' once
+                    shared[parent] = tokens * m.in_features * act
+            elif (not sp or parent in around) and reaches(fqn):  # it sums its own
+                n_col += 1
+                colwise += tokens * m.in_features * act
+            if style != "colwise" and style != "packed_colwise" and not (
+                    head and options.loss_parallel):
+                n_gather += 1
+                gathered += tokens * m.out_features * act
+        elif style == "mla_kv_a_proj" and reaches(fqn, through=True):
+            n_rope += 1
+            rope += tokens * _config.rope_width(model.config) * act
+        elif style == "replicated_with_grad_allreduce":
+            for p in m.parameters():
+                if p.requires_grad:  # a frozen one (LoRA's base) has no gradient to sum
+                    n_grads += 1
+                    grads += p.numel() * p.element_size()
+        factor = _replicated_factor(m, style, inputs.get("low_rank_adapters"), fqn)
+        if factor is not None:
+            n_adapted += 1
+            adapted += factor.numel() * factor.element_size()
+    # summed by the strategy's reduction, or without one once a step (at the gradient norm,
+    # where an adapter's factor has been summed by its own hook in each backward)
+    strategy = ctx.layout.dp * ctx.layout.cp > 1
+    syncs = batch.grad_syncs if strategy else 1
+    heads = int(head_in > 0)
+    losses = int(options.loss_parallel and resolved.head in resolved.matched)
+    heads_back = int(heads and reaches(resolved.head))
+    return (collective("reduce_scatter" if sp else "all_reduce", "tp", n_row * mb, rowwise,
+                       "rowwise layers' partial outputs (forward"
+                       + (", again where a checkpointed block recomputes)" if again else ")"))
+            + collective("all_reduce", "tp", n_whole * mb, whole,
+                         "rowwise layers' partial outputs inside a part sp runs whole (forward"
+                         + (", again where a checkpointed block recomputes)" if again else ")"))
+            + collective("all_gather", "tp", heads * mb, head_in,
+                         "the LM head's sequence-sharded input (forward)")
+            + collective("all_gather", "tp", n_gather * mb, gathered,
+                         "gathered colwise outputs: the logits (forward)")
+            + (collective("all_gather", "tp", n_back * mb, n_back * tokens * batch.hidden * act,
+                          "rowwise layers' output gradients (backward)") if sp else [])
+            + collective("all_gather", "tp", n_split_in * mb, split_in,
+                         "input gradients of rowwise layers that split a whole input (backward)")
+            + collective("all_reduce", "tp", len(shared) * mb, sum(shared.values()),
+                         "input gradients of the modules around colwise linears (backward)")
+            + collective("all_reduce", "tp", n_col * mb, colwise,
+                         "other colwise linears' input gradients (backward)")
+            + collective("all_reduce", "tp", n_rope * mb, rope,
+                         "the gradient of MLA's rope key, shared by every head (backward)")
+            + collective("reduce_scatter", "tp", heads_back * mb, heads_back * head_in,
+                         "the LM head's input gradient (backward)")
+            + collective("all_reduce", "tp", n_grads * syncs, syncs * grads,
+                         "partial gradients of replicated parameters ("
+                         + ("backward)" if strategy else "once a step, at the gradient norm)"))
+            + collective("all_reduce", "tp", 3 * losses * mb, 3 * losses * tokens * act,
+                         "the vocabulary-parallel loss: each token's largest logit, sum of "
+                         "exponentials and label's logit (forward)")
+            + collective("all_reduce", "tp", n_adapted * (syncs if strategy else mb),
+                         (syncs if strategy else mb) * adapted,
+                         "partial gradients of low-rank adapters' replicated factors (backward)"))
+
+
+def _replicated_factor(module: nn.Module, style: str, adapters: LowRankAdapters | None,
+                       fqn: str):
+    """The weight of the adapter factor of a split linear that stays whole (colwise: ``down``,
+    rowwise: ``up``): its gradient is partial over tp, summed whole by ``_styles``' hook (a
+    data-parallel shard of it is unsharded then: its full size is summed)."""
+    if adapters is None or not adapters.adapted(fqn) or style in styles.PLAIN_PARAMETERS:
+        return None
+    down, up = adapters.split(styles.WEIGHT_DIM.get(style))
+    if (down is None) == (up is None):  # both whole: each rank's gradient is whole too
+        return None
+    return getattr(module, adapters.down if down is None else adapters.up).weight
+
+
+def _recomputed_rowwise(model: nn.Module, resolved: Resolved, modules: dict[str, nn.Module],
+                        recompute: Recomputation | None) -> set[str]:
+    """The rowwise layers whose forward a checkpointed block runs again in backward: torch's
+    checkpoint recomputes up to the last tensor backward reads, so those after whose forward
+    the block saves a tensor for backward, read from one forward of a replica of the model
+    (``_recompute``: a norm on the layer's output counts, the residual add does not). Where no
+    replica runs, read from the module tree: every one but each block's last, and that one
+    too unless its output ends the block (``_ends_region``)."""
+    if recompute is None:
+        return set()
+    regions: dict[str, str] = {}  # rowwise layer -> its checkpointed region
+    for fqn, style in resolved.matched.items():
+        region = recompute.region(modules, fqn) if style in SPLIT_INPUTS else None
+        if region is not None:
+            regions[fqn] = region
+    saved = recomputed.saved_by_end(model) if regions else None
+    if saved is not None and all(f in saved and r in saved for f, r in regions.items()):
+        return {fqn for fqn, region in regions.items() if saved[region] > saved[fqn]}
+    last = {region: fqn for fqn, region in regions.items()}
+    return set(regions) - {fqn for region, fqn in last.items()
+                           if _ends_region(region, fqn, modules)}
+
+
+def _ends_region(region: str, fqn: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether nothing in the checkpointed ``region`` that backward reads comes after the rowwise
+    layer ``fqn``'s output, read from the module tree: the layer is taken to give its module's
+    output (an attention's o_proj, an MLP's down_proj), and a block's children to run in the
+    order they are registered. It does when its module is the region or a child of the region
+    (whose output the block only adds to the residual stream) that no sublayer follows: no
+    later child with a matrix (a norm holds vectors only). Not when its module sits deeper, in
+    one that goes on with its output (Qwen2-MoE's shared expert, gated and added to the routed
+    experts' output), nor when a sublayer follows (an MoE block the plan leaves whole after
+    attention's o_proj): their computation saves tensors the recompute must rebuild, and the
+    all-reduce runs again. A norm after the sublayer (Gemma 2's post_feedforward_layernorm)
+    cannot be told from one before it by structure and is not seen here (the replica's forward
+    sees it)."""
+    path = fqn[len(region) + 1:].split(".") if fqn != region else []
+    if len(path) <= 1:
+        return True
+    if len(path) > 2:
+        return False
+    names = [n for n, _ in modules[region].named_children()]
+    later = [modules[f"{region}.{n}"] for n in names[names.index(path[0]) + 1:]]
+    return not any(p.ndim > 1 for m in later for p in m.parameters())
