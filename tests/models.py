@@ -102,6 +102,33 @@ def tiny_gemma2(layers: int = 2, seed: int = 0, **overrides) -> nn.Module:
     return Gemma2ForCausalLM(Gemma2Config(**config))
 
 
+def tiny_gemma3() -> nn.Module:
+    """Gemma 3's text model: q/k norms ``replicated_with_grad_allreduce`` in its own plan, a norm
+    after attention and after the MLP, a scaled embedding, sliding and full attention."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_implementation="sdpa", use_cache=False))
+
+
+def tiny_gemma3n() -> nn.Module:
+    """Gemma 3n's own plan names v_norm ``replicated_with_grad_allreduce``: a norm without
+    parameters (``with_scale=False``)."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    torch.manual_seed(0)
+    return Gemma3nForCausalLM(Gemma3nTextConfig(
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_size_per_layer_input=8, num_kv_shared_layers=0, laurel_rank=4,
+        layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.0] * 2,
+        attn_implementation="sdpa", use_cache=False))
+
+
 def tiny_qwen3_moe(experts: int = 4) -> nn.Module:
     """Qwen3-MoE: fused 3-D experts named by ``base_model_ep_plan``, top-2 routing."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

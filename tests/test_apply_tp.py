@@ -31,6 +31,7 @@ from tests.models import (
     batch,
     max_param_diff,
     sgd_step,
+    tiny_gemma3n,
     tiny_llama,
     tiny_mla,
     tiny_moe_shared_expert,
@@ -104,20 +105,6 @@ def custom_step(model: nn.Module, tokens: torch.Tensor, lr: float = 0.1) -> floa
     loss.backward()
     opt.step()
     return loss.item()
-
-
-def tiny_gemma3n() -> nn.Module:
-    """Gemma 3n's own plan names v_norm ``replicated_with_grad_allreduce``: a norm without
-    parameters (``with_scale=False``)."""
-    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
-
-    torch.manual_seed(0)
-    return Gemma3nForCausalLM(Gemma3nTextConfig(
-        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, hidden_size_per_layer_input=8, num_kv_shared_layers=0, laurel_rank=4,
-        layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.0] * 2,
-        attn_implementation="sdpa", use_cache=False))
 
 
 def tiny_embedding_gemma2() -> nn.Module:

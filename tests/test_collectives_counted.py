@@ -1,10 +1,11 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp, cp, ep and pp
 (alone and together, ep with pp and with cp among them, with and without full and selective
-activation checkpointing, with LoRA's adapters under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Qwen3-MoE and
-Mixtral; the training step over two micro-batches, or a pipeline schedule's whole batch in
-microbatches of one, then the pipeline's ``reduce_grads``) counted at the dispatcher below
-DTensor (the collectives DTensor issues inside an op too), group by group, call by call and
-byte by byte, against the rows ``shardgraph dryrun`` prints for the same plan
+activation checkpointing, with LoRA's adapters under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's
+MLA, Phi-3, Olmo 2, Gemma 2, Gemma 3, Gemma 3n, Qwen3-MoE and Mixtral; the training step over
+two micro-batches, or a pipeline schedule's whole batch in microbatches of one, then the
+pipeline's ``reduce_grads``) counted at the dispatcher below DTensor (the collectives DTensor
+issues inside an op too), group by group, call by call and byte by byte, against the rows
+``shardgraph dryrun`` prints for the same plan
 (``train/dryrun.collectives``). The strategy's rows are compared too: fsdp2 (alone, resharding
 after forward or not, under activation checkpointing, tp, cp, ep, LoRA and a pipeline; hsdp) and
 ddp, whose collectives reach the dispatcher as c10d's own ops (``_allgather_base_``,
@@ -33,7 +34,8 @@ once, at the gradient norm, which is counted too: the counter pauses only in the
 reductions (token count, loss, the norm's squares). Before the rows followed, qwen3_cp_tp_sp
 measured 9 tp all-reduces (1,536 B) against 18 declared (3,072 B), qwen3_lora_tp_fsdp2 32
 (88,064 B) against 46 (102,400 B), and llama_tp_sp 5 (1,280 B) at the gradient norm against
-none.
+none; before the recompute's gathers were declared, phi3_tp_ac measured 26 tp all-gathers
+(262,144 B) against 18 (163,840 B).
 
 p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
 ``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
@@ -117,7 +119,13 @@ CASES = {  # name -> (model, plan), world 2 and world 4
         # transformers' rowwise_split_input (Phi-3's o_proj and down_proj, Olmo 2's o_proj):
         # the whole input's gradient is gathered in backward
         "phi3_tp": ("phi3", "[plugins.tp]\nsize = 2\n"),
-        "olmo2_tp_sp": ("olmo2", "[plugins.tp]\nsize = 2\n[plugins.sp]\n")},
+        "olmo2_tp_sp": ("olmo2", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
+        # the recompute gathers Phi-3's fused qkv_proj and gate_up_proj outputs again
+        "phi3_tp_ac": ("phi3", "[plugins.tp]\nsize = 2\n[plugins.activation_checkpointing]\n"),
+        # their own plans: q/k norms (and Gemma 3n's v_norm, without parameters) replicated,
+        # the scaled embedding's partial output reduced inside its multiply (as Gemma 2's)
+        "gemma3_tp": ("gemma3", "[plugins.tp]\nsize = 2\n"),
+        "gemma3n_tp": ("gemma3n", "[plugins.tp]\nsize = 2\n")},
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }
@@ -258,9 +266,9 @@ def run_cases(rank: int, world: int) -> dict:
 
     from shardgraph.train.config import loads_pipeline
     from shardgraph.train.dryrun import collectives
-    from tests.models import (batch, tiny_gemma2, tiny_llama, tiny_mixtral, tiny_mla,
-                              tiny_moe_shared_expert, tiny_olmo2, tiny_phi3, tiny_qwen3,
-                              tiny_qwen3_moe)
+    from tests.models import (batch, tiny_gemma2, tiny_gemma3, tiny_gemma3n, tiny_llama,
+                              tiny_mixtral, tiny_mla, tiny_moe_shared_expert, tiny_olmo2,
+                              tiny_phi3, tiny_qwen3, tiny_qwen3_moe)
 
     out = {}
     for name, (model, plan_text) in CASES[world].items():
@@ -268,6 +276,7 @@ def run_cases(rank: int, world: int) -> dict:
         ctx = plan.build_mesh("cpu")
         models = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen2_moe": tiny_moe_shared_expert,
                   "mla": tiny_mla, "olmo2": tiny_olmo2, "phi3": tiny_phi3, "gemma2": tiny_gemma2,
+                  "gemma3": tiny_gemma3, "gemma3n": tiny_gemma3n,
                   "qwen3_moe": tiny_qwen3_moe,
                   "mixtral": tiny_mixtral,
                   "llama4": lambda: tiny_llama(layers=4),

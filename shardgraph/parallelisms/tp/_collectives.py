@@ -23,31 +23,30 @@ recomputed = lazy_module("shardgraph.parallelisms.tp._recompute")
 
 def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: MeshContext,
                 inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
-    """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted
-    in tests/test_collectives_counted.py): a rowwise layer's partial output is summed (under sp
-    reduce-scattered along the sequence, whose backward gathers the gradient back, unless sp
-    keeps it whole: ``SequenceSharding.whole``, all-reduced as without sp), and one that takes a
-    whole input (``rowwise_rep``, ``rowwise_split_input``) gathers its input's gradient in
-    backward; every colwise linear's input gradient is summed in backward: once for the module
-    around those that take its own input (attention, MLP: ``share_input_reduction``), under sp
-    by sp's gather (sp's rows); the head's (reduce-scattered under sp) and those of linears fed
-    something else (MLA's q_b_proj and kv_b_proj, after a norm; which ones,
-    ``takes_module_input`` reads from widths) each alone; a gathered colwise output (the logits unless ``loss_parallel``) is
-    all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's) is
-    all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``); under
+    """What torch's DTensor styles issue over tp in a forward and backward (torch 2.13, counted in
+    tests/test_collectives_counted.py): a rowwise layer's partial output is summed (under sp
+    reduce-scattered along the sequence, whose backward gathers the gradient back, unless sp keeps
+    it whole: ``SequenceSharding.whole``, all-reduced as without sp), and one that takes a whole
+    input (``rowwise_rep``, ``rowwise_split_input``) gathers its input's gradient in backward; every
+    colwise linear's input gradient is summed in backward: once for the module around those that
+    take its own input (attention, MLP: ``share_input_reduction``), under sp by sp's gather (sp's
+    rows); the head's (reduce-scattered under sp) and those of linears fed something else (MLA's
+    q_b_proj and kv_b_proj, after a norm; which ones, ``takes_module_input`` reads from widths) each
+    alone; a gathered colwise output (the logits unless ``loss_parallel``, Phi-3's fused
+    projections) is all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's)
+    is all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``); under
     ``loss_parallel`` torch's cross-entropy on the vocabulary-sharded logits all-reduces three
-    values per token (the largest logit, the sum of exponentials, the label's logit). A
-    checkpointed block runs its forward's again when it recomputes, up to the last tensor
-    backward reads (torch's checkpoint stops there): those of its rowwise layers after which
-    it saves a tensor (``_recomputed_rowwise``); sp's own gathers are sp's rows.
-    A partial gradient is summed by the strategy's reduction in each backward that reduces
-    (``BatchShape.grad_syncs``: once a step where the step defers it); without a strategy
-    (dp * cp = 1) once a step, at the gradient norm (``ParallelModel.grad_norm``). Low-rank
-    adapters beside a split linear sum the partial gradient of their whole factor
-    (``_replicated_factor``): in each backward, by their own hook, or where a strategy takes
-    the factor over (its sharded parameter has no such hook), by its reduction. Backward
-    sums and gathers nothing where no gradient goes (``core.blocks.gradient_reaches``): under a
-    frozen base (LoRA's) the embedding and the first block's input get none."""
+    values per token (the largest logit, the sum of exponentials, the label's logit). A checkpointed
+    block runs its forward's again when it recomputes, up to the last tensor backward reads (torch's
+    checkpoint stops there): those of its rowwise and gathered colwise layers after which it saves a
+    tensor (``_recomputed``); sp's own gathers are sp's rows. A partial gradient is summed by the
+    strategy's reduction in each backward that reduces (``BatchShape.grad_syncs``: once a step where
+    the step defers it); without a strategy (dp * cp = 1) once a step, at the gradient norm
+    (``ParallelModel.grad_norm``). Low-rank adapters beside a split linear sum the partial gradient
+    of their whole factor (``_replicated_factor``): in each backward, by their own hook, or where a
+    strategy takes the factor over (its sharded parameter has no such hook), by its reduction.
+    Backward sums and gathers nothing where no gradient goes (``core.blocks.gradient_reaches``):
+    under a frozen base (LoRA's) the embedding and the first block's input get none."""
     sequence = inputs.get("sequence_parallel")
     sp = sequence is not None
     kept_whole = sequence.whole if sp else frozenset()  # reduced replicated under sp too
@@ -63,7 +62,7 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
     for fqn, style in resolved.matched.items():
         if style in SPLIT_INPUTS:
             gives_back.setdefault(fqn.rpartition(".")[0], []).append(modules[fqn])
-    again = _recomputed_rowwise(model, resolved, modules, inputs.get("activation_checkpointing"))
+    again = _recomputed(model, resolved, modules, inputs.get("activation_checkpointing"))
     for fqn, style in resolved.matched.items():
         m = modules[fqn]
         if style in ROWWISE_STYLES:
@@ -89,10 +88,10 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
             elif (not sp or parent in around) and reaches(fqn):  # it sums its own
                 n_col += 1
                 colwise += tokens * m.in_features * act
-            if style != "colwise" and style != "packed_colwise" and not (
-                    head and options.loss_parallel):
-                n_gather += 1
-                gathered += tokens * m.out_features * act
+            if _gathers(style) and not (head and options.loss_parallel):
+                times = 2 if fqn in again else 1
+                n_gather += times
+                gathered += times * tokens * m.out_features * act
         elif style == "mla_kv_a_proj" and reaches(fqn, through=True):
             n_rope += 1
             rope += tokens * _config.rope_width(model.config) * act
@@ -121,7 +120,9 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
             + collective("all_gather", "tp", heads * mb, head_in,
                          "the LM head's sequence-sharded input (forward)")
             + collective("all_gather", "tp", n_gather * mb, gathered,
-                         "gathered colwise outputs: the logits (forward)")
+                         "gathered colwise outputs: the logits, Phi-3's fused projections "
+                         "(forward" + (", again where a checkpointed block recomputes)"
+                                       if again else ")"))
             + (collective("all_gather", "tp", n_back * mb, n_back * tokens * batch.hidden * act,
                           "rowwise layers' output gradients (backward)") if sp else [])
             + collective("all_gather", "tp", n_split_in * mb, split_in,
@@ -158,27 +159,35 @@ def _replicated_factor(module: nn.Module, style: str, adapters: LowRankAdapters 
     return getattr(module, adapters.down if down is None else adapters.up).weight
 
 
-def _recomputed_rowwise(model: nn.Module, resolved: Resolved, modules: dict[str, nn.Module],
-                        recompute: Recomputation | None) -> set[str]:
-    """The rowwise layers whose forward a checkpointed block runs again in backward: torch's
-    checkpoint recomputes up to the last tensor backward reads, so those after whose forward
-    the block saves a tensor for backward, read from one forward of a replica of the model
-    (``_recompute``: a norm on the layer's output counts, the residual add does not). Where no
-    replica runs, read from the module tree: every one but each block's last, and that one
-    too unless its output ends the block (``_ends_region``)."""
+def _recomputed(model: nn.Module, resolved: Resolved, modules: dict[str, nn.Module],
+                recompute: Recomputation | None) -> set[str]:
+    """The layers whose forward collective a checkpointed block runs again in backward: a
+    rowwise layer's reduction, a gathered colwise output's gather (Phi-3's fused qkv_proj and
+    gate_up_proj). torch's checkpoint recomputes up to the last tensor backward reads, so those
+    after whose forward the block saves a tensor for backward, read from one forward of a
+    replica of the model (``_recompute``: a norm on the layer's output counts, the residual add
+    does not). Where no replica runs, read from the module tree: every one but each block's
+    last rowwise layer, and that one too unless its output ends the block (``_ends_region``)."""
     if recompute is None:
         return set()
-    regions: dict[str, str] = {}  # rowwise layer -> its checkpointed region
+    regions: dict[str, str] = {}  # layer -> its checkpointed region
     for fqn, style in resolved.matched.items():
-        region = recompute.region(modules, fqn) if style in SPLIT_INPUTS else None
-        if region is not None:
-            regions[fqn] = region
+        if style in SPLIT_INPUTS or (_gathers(style) and fqn != resolved.head):
+            region = recompute.region(modules, fqn)
+            if region is not None:
+                regions[fqn] = region
     saved = recomputed.saved_by_end(model) if regions else None
     if saved is not None and all(f in saved and r in saved for f, r in regions.items()):
         return {fqn for fqn, region in regions.items() if saved[region] > saved[fqn]}
-    last = {region: fqn for fqn, region in regions.items()}
+    last = {region: fqn for fqn, region in regions.items()
+            if resolved.matched[fqn] in SPLIT_INPUTS}
     return set(regions) - {fqn for region, fqn in last.items()
                            if _ends_region(region, fqn, modules)}
+
+
+def _gathers(style: str) -> bool:
+    """Whether a colwise style gathers its output (replicated) in forward."""
+    return style in COLWISE_STYLES and style not in ("colwise", "packed_colwise")
 
 
 def _ends_region(region: str, fqn: str, modules: dict[str, nn.Module]) -> bool:
