@@ -1,17 +1,17 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp, cp, ep and pp
 (alone and together, ep with pp and with cp among them, with and without full and selective
-activation checkpointing, with LoRA's adapters under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's
-MLA, Phi-3, Olmo 2, Gemma 2, Gemma 3, Gemma 3n, Qwen3-MoE and Mixtral; the training step over
-two micro-batches, or a pipeline schedule's whole batch in microbatches of one, then the
-pipeline's ``reduce_grads``) counted at the dispatcher below DTensor (the collectives DTensor
-issues inside an op too), group by group, call by call and byte by byte, against the rows
-``shardgraph dryrun`` prints for the same plan
-(``train/dryrun.collectives``). The strategy's rows are compared too: fsdp2 (alone, resharding
-after forward or not, under activation checkpointing, tp, cp, ep, LoRA and a pipeline; hsdp) and
-ddp, whose collectives reach the dispatcher as c10d's own ops (``_allgather_base_``,
-``_reduce_scatter_base_``, ``allreduce_``, ``broadcast_``); their bytes are torch's buffers,
-padded where no rank count divides a parameter's rows. The runtime's own reductions (token
-count, loss, the gradient norm's squares) are not compared here.
+activation checkpointing, with LoRA's adapters and chunked_loss's kernel under tp; Llama, Qwen3,
+Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Gemma 3, Gemma 3n, Qwen3-MoE and Mixtral; the
+training step over two micro-batches, or a pipeline schedule's whole batch in microbatches of
+one, then the pipeline's ``reduce_grads``) counted at the dispatcher below DTensor (the
+collectives DTensor issues inside an op too), group by group, call by call and byte by byte,
+against the rows ``shardgraph dryrun`` prints for the same plan (``train/dryrun.collectives``).
+The strategy's rows are compared too: fsdp2 (alone, resharding after forward or not, under
+activation checkpointing, tp, cp, ep, LoRA and a pipeline; hsdp) and ddp, whose collectives
+reach the dispatcher as c10d's own ops (``_allgather_base_``, ``_reduce_scatter_base_``,
+``allreduce_``, ``broadcast_``); their bytes are torch's buffers, padded where no rank count
+divides a parameter's rows. The runtime's own reductions (token count, loss, the gradient norm's
+squares) are not compared here.
 
 What cannot be compared rank by rank, and how it is compared instead:
 
@@ -35,7 +35,11 @@ reductions (token count, loss, the norm's squares). Before the rows followed, qw
 measured 9 tp all-reduces (1,536 B) against 18 declared (3,072 B), qwen3_lora_tp_fsdp2 32
 (88,064 B) against 46 (102,400 B), and llama_tp_sp 5 (1,280 B) at the gradient norm against
 none; before the recompute's gathers were declared, phi3_tp_ac measured 26 tp all-gathers
-(262,144 B) against 18 (163,840 B).
+(262,144 B) against 18 (163,840 B); before chunked_loss declared its kernel's reductions (and tp's
+head handed its input on replicated to it), llama_tp_loss_parallel_chunked measured 38 tp
+all-reduces (81,232 B) and 4 all-gathers (16,384 B) against 26 all-reduces (82,304 B), and
+llama_tp_sp_chunked 25 all-reduces (8,784 B) against 5 (1,280 B) and 20 all-gathers and 18
+reduce-scatters against 22 and 20.
 
 p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
 ``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
@@ -125,7 +129,14 @@ CASES = {  # name -> (model, plan), world 2 and world 4
         # their own plans: q/k norms (and Gemma 3n's v_norm, without parameters) replicated,
         # the scaled embedding's partial output reduced inside its multiply (as Gemma 2's)
         "gemma3_tp": ("gemma3", "[plugins.tp]\nsize = 2\n"),
-        "gemma3n_tp": ("gemma3n", "[plugins.tp]\nsize = 2\n")},
+        "gemma3n_tp": ("gemma3n", "[plugins.tp]\nsize = 2\n"),
+        # chunked_loss's kernel on tp's vocabulary-split head, 14 labelled tokens a micro-batch
+        # in chunks of 5; the head hands its input on replicated, loss_parallel or not
+        "llama_tp_loss_parallel_chunked": ("llama", "[plugins.tp]\nsize = 2\n"
+                                                    "loss_parallel = true\n"
+                                                    "[plugins.chunked_loss]\nchunk_size = 5\n"),
+        "llama_tp_sp_chunked": ("llama", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"
+                                         "[plugins.chunked_loss]\nchunk_size = 5\n")},
     4: {"qwen3_cp_tp_sp": ("qwen3", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
                                     "[plugins.sp]\n[plugins.fsdp2]\n")},
 }

@@ -326,6 +326,17 @@ class LossCompiler:
         return torch.compile(fn, **kwargs)
 
 
+@attrs.frozen
+class HeadInputLoss:
+    """Capability ``chunked_loss``: a step's ``loss`` hook computes the loss from the LM head's
+    input and weight, ``chunk_size`` tokens' logits at a time; the head's forward hands its input
+    on, so its logits never exist. A plugin that lays the head out keeps what the head returns
+    laid out as its input (tp: replicated, not sharded for ``loss_parallel``) and sums nothing
+    of its output: the hook reduces what it computes itself."""
+
+    chunk_size: int
+
+
 #: capability -> the type of the value that carries it (a plugin may declare more of its own:
 #: ``Plugin.contracts``). Capabilities not named here are flags: present or not, no value.
 CONTRACTS: dict[str, type] = {
@@ -338,6 +349,7 @@ CONTRACTS: dict[str, type] = {
     "float8": Float8Training,
     "low_rank_adapters": LowRankAdapters,
     "compiled_loss": LossCompiler,
+    "chunked_loss": HeadInputLoss,
 }
 
 #: capability -> what its value is, in a few words: ``plan`` says what a step uses of another
@@ -353,6 +365,7 @@ CONTRACT_NOUNS: dict[str, str] = {
     "float8": "the float8 linears",
     "low_rank_adapters": "the low-rank adapters",
     "compiled_loss": "the loss compilation",
+    "chunked_loss": "the loss from the LM head's input",
 }
 
 

@@ -12,11 +12,18 @@ It composes by reading what it is given: a vocabulary-parallel head (tp, with or
 ``loss_parallel``, and sp, which gathers the head's input) is recognised from its weight's
 placements; cp's and the data-parallel ranks' shares of the batch arrive as the model's output
 and their labels; under pp the last stage's output is the head's input. A plugin that computes
-the loss another way (a fused GPU kernel) declares the same ``loss`` hook.
+the loss another way (a fused GPU kernel) declares the same ``loss`` hook. The step exports
+``core.values.HeadInputLoss`` (capability ``chunked_loss``): a plugin that lays the head out
+(tp) keeps what it hands on laid out as its input and reduces nothing of it.
+
+Its collectives (the dry run's rows): over the axis that splits the head's vocabulary (tp's, read
+from ``TPLayout``), each chunk's forward all-reduces three values per token (the largest logit,
+the sum of exponentials, the label's logit), and each backward the hidden states' gradient once.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -26,6 +33,7 @@ from ...core.costs import Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
 from ...core.model_config import read_layer_values
+from ...core.values import BatchShape, HeadInputLoss, TPLayout, collective
 from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -123,6 +131,33 @@ def _loss(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
     return _ChunkedLoss(model, options.chunk_size, inputs.get("fully_shard"))
 
 
+def _export(options: ChunkedLossOptions, layout, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"chunked_loss": HeadInputLoss(options.chunk_size)}
+
+
+def _collectives(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
+                 inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
+    """The kernel's reductions over tp where tp splits the head's vocabulary (none elsewhere, nor
+    on a pipeline rank without the head), for each forward's labelled tokens: a sequence's last
+    token has no label (shifted out). Under cp only the rank that holds the sequences' ends
+    lacks those labels; every token a rank holds is counted there, one a sequence too many on
+    that rank (not compared with torch's count)."""
+    layout: TPLayout | None = inputs.get("tensor_parallel")
+    if layout is None or layout.head not in layout.colwise() or output_embeddings(model) is None:
+        return []
+    sequences = batch.local_batch // batch.forwards
+    labelled = sequences * (batch.seq_len - (1 if ctx.cp_size == 1 else 0))
+    chunks = math.ceil(labelled / options.chunk_size)
+    passes = batch.forwards
+    fp32 = 4  # the kernel reduces the logits' maxima and sums in fp32, whatever the params'
+    return (collective("all_reduce", "tp", 3 * chunks * passes, 3 * labelled * passes * fp32,
+                       "chunked loss on the vocabulary-split head: each token's largest "
+                       "logit, sum of exponentials and label's logit, fp32 (forward, per chunk)")
+            + collective("all_reduce", "tp", passes,
+                         labelled * batch.hidden * batch.act_bytes * passes,
+                         "chunked loss: the LM head's input gradient (backward)"))
+
+
 def _cost(options: ChunkedLossOptions, layout) -> Cost:
     return Cost(loss_chunk_tokens=options.chunk_size)
 
@@ -132,7 +167,11 @@ PLUGIN = Plugin(
     kind=Kind.POLICY,
     options=ChunkedLossOptions,
     provides={"chunked_loss"},
-    reads={"fully_shard"},  # the strategy's settings: gather the head's weight for the loss
+    # the strategy's settings: gather the head's weight for the loss; tp's layout: only to
+    # count the kernel's reductions over the axis that splits the head's vocabulary
+    reads={"fully_shard", "tensor_parallel"},
+    export=_export,
+    collectives=_collectives,
     before={"data_parallel"},
     check=_check,
     model_check=_model_check,

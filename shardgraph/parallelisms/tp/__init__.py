@@ -11,6 +11,9 @@ unparallelised loss, because the LM head's logits are gathered. ``loss_parallel 
 them vocabulary-sharded (a ``DTensor``) instead, which saves the gather and the full-vocabulary
 logits on every rank; the training loop then runs the forward *and* ``backward()`` inside
 ``torch.distributed.tensor.parallel.loss_parallel()``, and the loss is a replicated DTensor.
+Where a loss hook takes the head's input instead (chunked_loss's, ``core.values.HeadInputLoss``),
+the head hands that input on replicated and the hook splits the vocabulary itself: nothing of
+the head's output is gathered or summed, with or without ``loss_parallel``.
 
 Low-rank adapters a step before this one added (``inputs["low_rank_adapters"]``, LoRA's) are
 laid out beside their base linear so that the sum stays exact: a colwise layer's ``up`` is split
@@ -250,10 +253,13 @@ def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[
     layout = TPLayout(resolved.matched, resolved.head)
     tp_mesh = ctx.mesh(Axis.TP)
     adapters = inputs.get("low_rank_adapters")  # LoRA's: laid out beside their base linear
+    # a loss hook that takes the head's input (chunked_loss's) splits the vocabulary itself: the
+    # head hands its input on replicated, with nothing to gather or keep sharded
+    loss_parallel = options.loss_parallel and inputs.get("chunked_loss") is None
     config = getattr(model, "config", None)
     for fqn, style in resolved.matched.items():
         built = styles.torch_style(style, modules[fqn], fqn=fqn, layout=layout,
-                                   head=fqn == resolved.head, loss_parallel=options.loss_parallel,
+                                   head=fqn == resolved.head, loss_parallel=loss_parallel,
                                    config=config)
         if built is None:
             continue
@@ -334,7 +340,8 @@ PLUGIN = Plugin(
     loss_context=_loss_context,
     collectives=_collectives,
     # sequence_parallel, activation_checkpointing: only to count its collectives as sp lays
-    # them out and as a checkpointed block runs them again
-    reads={"sequence_parallel", "low_rank_adapters", "activation_checkpointing"},
+    # them out and as a checkpointed block runs them again; chunked_loss: the head hands its
+    # input on to a loss hook
+    reads={"sequence_parallel", "low_rank_adapters", "activation_checkpointing", "chunked_loss"},
     doc="tensor parallelism: parallelize_module with the model's (or a user's) TP plan",
 )

@@ -36,8 +36,10 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
     projections) is all-gathered; a replicated parameter's partial gradient (a per-head q/k norm's)
     is all-reduced, as is MLA's shared rope key's gradient (``mla_kv_a_proj``); under
     ``loss_parallel`` torch's cross-entropy on the vocabulary-sharded logits all-reduces three
-    values per token (the largest logit, the sum of exponentials, the label's logit). A checkpointed
-    block runs its forward's again when it recomputes, up to the last tensor backward reads (torch's
+    values per token (the largest logit, the sum of exponentials, the label's logit); where a loss
+    hook takes the head's input (``HeadInputLoss``) nothing of the head's output or of its input's
+    gradient is tp's (the hook's rows), only its input's gather under sp. A checkpointed block
+    runs its forward's again when it recomputes, up to the last tensor backward reads (torch's
     checkpoint stops there): those of its rowwise and gathered colwise layers after which it saves a
     tensor (``_recomputed``); sp's own gathers are sp's rows. A partial gradient is summed by the
     strategy's reduction in each backward that reduces (``BatchShape.grad_syncs``: once a step where
@@ -49,6 +51,7 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
     under a frozen base (LoRA's) the embedding and the first block's input get none."""
     sequence = inputs.get("sequence_parallel")
     sp = sequence is not None
+    head_loss = inputs.get("chunked_loss") is not None
     kept_whole = sequence.whole if sp else frozenset()  # reduced replicated under sp too
     modules = dict(model.named_modules())
     mb, tokens, act = batch.forwards, batch.tokens, batch.act_bytes
@@ -85,10 +88,10 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
             elif parent in around and styles.takes_module_input(m, gives_back.get(parent, [])):
                 if not sp and reaches(parent):  # the module around it sums its linears' once
                     shared[parent] = tokens * m.in_features * act
-            elif (not sp or parent in around) and reaches(fqn):  # it sums its own
-                n_col += 1
+            elif (not sp or parent in around) and reaches(fqn) and not (head and head_loss):
+                n_col += 1  # it sums its own
                 colwise += tokens * m.in_features * act
-            if _gathers(style) and not (head and options.loss_parallel):
+            if _gathers(style) and not (head and (options.loss_parallel or head_loss)):
                 times = 2 if fqn in again else 1
                 n_gather += times
                 gathered += times * tokens * m.out_features * act
@@ -109,8 +112,8 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
     strategy = ctx.layout.dp * ctx.layout.cp > 1
     syncs = batch.grad_syncs if strategy else 1
     heads = int(head_in > 0)
-    losses = int(options.loss_parallel and resolved.head in resolved.matched)
-    heads_back = int(heads and reaches(resolved.head))
+    losses = int(options.loss_parallel and resolved.head in resolved.matched and not head_loss)
+    heads_back = int(heads and reaches(resolved.head) and not head_loss)
     return (collective("reduce_scatter" if sp else "all_reduce", "tp", n_row * mb, rowwise,
                        "rowwise layers' partial outputs (forward"
                        + (", again where a checkpointed block recomputes)" if again else ")"))
