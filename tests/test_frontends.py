@@ -7,6 +7,8 @@ import json
 import pytest
 
 from shardgraph import Graph, Plan, PlanError, loads_toml
+from shardgraph.core.context import MeshContext
+from tests.models import tiny_llama
 
 INTENTS = [
     (
@@ -201,3 +203,30 @@ def test_a_pipeline_option_left_unset_is_named_where_the_file_would_set_it():
     assert v.keys == ("train.micro_batch_size", "distributed.pipeline.pp_microbatch_size")
     assert v.hint.startswith("set distributed.pipeline.pp_microbatch_size = 2 (4 // 2 = 2 "
                              "microbatches) and remove micro_batch_size")
+
+
+
+@pytest.mark.parametrize("text, key, graph_key", [
+    # pp's model check names its option: the file's key is in [distributed.pipeline]
+    ("[distributed]\npp_size = 2\n[distributed.pipeline]\nlayers_per_stage = 3\n",
+     "distributed.pipeline.layers_per_stage", "plugins.pp.layers_per_stage"),
+    # ep's names the plugin: the file switched it on with ep_size
+    ("[distributed]\nep_size = 2\n", "distributed.ep_size", "plugins.ep"),
+    # lora's, in the [peft] table
+    ("[distributed]\n[peft]\ntarget_modules = [\"*.nothing\"]\n", "peft.target_modules",
+     "plugins.lora.target_modules"),
+])
+def test_a_model_check_names_the_key_the_file_wrote(text, key, graph_key):
+    """A check run on the model (at apply, before any step) said plugins.pp.layers_per_stage,
+    plugins.ep and plugins.lora.target_modules to a file that has none of these keys."""
+    plan = loads_toml(text).compile(world_size=2)
+    with pytest.raises(PlanError) as info:
+        plan.apply(tiny_llama(layers=2), MeshContext(plan.layout, "cpu"))
+    assert [v.keys for v in info.value.violations] == [(key,)]
+    graph = Graph()  # the same plugins and options built in Python: the plugin's own keys
+    for entry in loads_toml(text).entries:
+        graph.add(entry.name, **entry.options)
+    plan = graph.compile(world_size=2)
+    with pytest.raises(PlanError) as info:
+        plan.apply(tiny_llama(layers=2), MeshContext(plan.layout, "cpu"))
+    assert [v.keys for v in info.value.violations] == [(graph_key,)]

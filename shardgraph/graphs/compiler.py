@@ -496,9 +496,17 @@ def _order(active: list[_Resolved], bad) -> list[Step]:
             plugin=n,
             options=nodes[n].options,
             inputs=tuple((cap, p.plugin.name, p.options) for cap, p in consumed.get(n, [])),
+            user_keys=_user_keys(nodes[n]),
         )
         for n in order
     ]
+
+
+def _user_keys(r: _Resolved) -> dict[str, str]:
+    """The user's key for the plugin and each of its options, by the graph form's key."""
+    own = f"plugins.{r.plugin.name}"
+    return {own: r.entry.path or own, **{f"{own}.{name}": r.entry.origin(name)
+                                          for name in attrs.fields_dict(r.plugin.options)}}
 
 
 def _locate(v: Violation, r: _Resolved, graph: Graph) -> Violation:

@@ -35,6 +35,9 @@ class Step:
     options: Any
     #: (capability, providing plugin, its options) for each consumed capability
     inputs: tuple[tuple[str, str, Any], ...] = ()
+    #: ``plugins.<plugin>`` and each ``plugins.<plugin>.<option>`` -> the key the user wrote
+    #: (``distributed.pipeline.layers_per_stage``): a model check's keys are said in them
+    user_keys: Mapping[str, str] = attrs.field(factory=dict, eq=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"plugin": self.plugin, "options": unstructure(self.options)}
@@ -136,7 +139,9 @@ class Plan:
             plugin = self.registry.get(step.plugin)
             if plugin.model_check is not None:
                 found = plugin.model_check(model, step.options, ctx)
-                bad += [attrs.evolve(v, plugin=v.plugin or step.plugin) for v in found]
+                bad += [attrs.evolve(v, plugin=v.plugin or step.plugin,
+                                     keys=tuple(step.user_keys.get(k, k) for k in v.keys))
+                        for v in found]
         if bad:
             raise PlanError(bad)
 
