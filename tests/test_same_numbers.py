@@ -25,7 +25,7 @@ where the gradient is below 1e-7, as one process's own differ from float64's by 
 moves an element by lr * m / (sqrt(v) + eps): where sqrt(v) is near eps the step's size follows
 |g| / eps, and a gradient near 1e-8 is half noise. embed_tokens[75, 0], first seen at step 3
 with a gradient of 8.8e-9 (float64), gets 1.4e-8 in one process and 5.4e-9 under cp +
-chunked_loss, so AdamW moves it by 2.8e-3 and 1.6e-3. An element is faint where its sqrt(v)
+chunked_loss, so AdamW moves it by 2.8e-3 and 1.5e-3. An element is faint where its sqrt(v)
 (bias-corrected, in the one-process run) fell below 10 eps at some step, 1% of the Llama's:
 above it a gradient error of eps changes an element's first step by at most lr / 11^2 = 8e-5,
 below it by up to lr. Measured beyond the faint elements: up to 2.6e-5, and 2.4e-4 for the MLA
