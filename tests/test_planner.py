@@ -748,8 +748,8 @@ def test_megatron_fsdp_is_priced_at_the_zero_stage_it_runs():
     optimizer state (Megatron's distributed optimizer), 2 and the gradients, 3 and the
     parameters; 0 none. Each stage holds whole what it does not split, and only stage 3
     gathers parameters for every micro-batch: below it, the updated ones once per step.
-    Every stage reduces its gradients in every micro-batch's backward, as shardgraph runs
-    megatron-fsdp (its auto sync; no deferral declared)."""
+    Sharded gradients (2, 3) are reduce-scattered in every micro-batch's backward, as
+    megatron-fsdp does whatever ``no_sync`` says; 0 and 1 reduce once per step."""
     found = {z: est(f"[plugins.megatron_fsdp]\nzero_dp_strategy = {z}\n", 64) for z in range(4)}
     mem = {z: r["memory_bytes_per_rank"] for z, r in found.items()}
     assert mem[0]["optimizer"] == pytest.approx(64 * mem[1]["optimizer"], rel=0.01)
@@ -758,7 +758,7 @@ def test_megatron_fsdp_is_priced_at_the_zero_stage_it_runs():
                                                                  rel=0.01)
     assert mem[0]["total"] > mem[1]["total"] > mem[2]["total"] > mem[3]["total"]
     comm = {z: r["breakdown_s"]["exposed_comm"]["dp_shard"] for z, r in found.items()}
-    assert comm[0] == comm[1] == comm[2] and comm[3] > 2 * comm[2]
+    assert comm[0] == comm[1] and comm[2] > 5 * comm[1] and comm[3] > comm[2]
 
 
 def test_torchaos_float8_casts_cost_traffic_that_narrow_shards_feel():

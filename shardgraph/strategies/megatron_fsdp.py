@@ -89,13 +89,22 @@ def _apply(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContext, inp
     )
 
 
+def _grad_sync(model: nn.Module, options: MegatronFSDPOptions, enabled: bool) -> None:
+    """Off but on a step's last pass: what ``MegatronFSDP.no_sync()`` toggles
+    (``is_last_microbatch``), and the model's auto sync (wait for the reduction and hand the
+    gradients to the optimizer) on the last pass only. Sharded gradients (ZeRO 2, 3) are
+    reduce-scattered in every backward all the same; only ZeRO 0 and 1 defer their reduction."""
+    from megatron_fsdp import MegatronFSDP
+
+    if isinstance(model, MegatronFSDP):
+        model.is_last_microbatch = enabled
+        model.set_model_auto_sync(enabled)
+
+
 def _cost(options: MegatronFSDPOptions, layout) -> Cost:
     return Cost(states="flat", shards=options.zero_dp_strategy,
                 overlap_grad_reduce=options.overlap_grad_reduce,
-                # reduced in every micro-batch's backward: fully_shard_model's default (its
-                # auto sync), which shardgraph keeps; megatron-fsdp's own no_sync would defer
-                # ZeRO 0 and 1 only, and needs a CUDA run to check before it is turned on
-                defer_grad_sync=False)
+                defer_grad_sync=options.zero_dp_strategy < 2)
 
 
 PLUGIN = Plugin(
@@ -110,6 +119,7 @@ PLUGIN = Plugin(
     check=_check,
     model_check=_model_check,
     apply=_apply,
+    grad_sync=_grad_sync,
     keeps_fqns=False,
     needs_storage=True,
     doc="Megatron-FSDP (megatron-fsdp package, CUDA): ZeRO-0..3 with overlapped collectives",
