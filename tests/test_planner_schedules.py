@@ -364,3 +364,49 @@ def test_zero_bubble_fills_nothing_when_only_adapters_train():
     assert bubble_share(zb, 8, v) < bubble_share(one, 8, 1)
     assert bubble_share(attrs.evolve(zb, **lora), 8, v) == pytest.approx(
         bubble_share(attrs.evolve(one, **lora), 8, 1) / v)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "Qwen3MoeForCausalLM"])
+def test_a_split_backward_reruns_a_checkpointed_block_once_per_weight_group(arch):
+    """Torch's zero-bubble weight pass (``stage_backward_weight``) runs autograd once per
+    parameter group (``get_param_groups``), and a block checkpointed as shardgraph does under
+    such a schedule (``whole_checkpoint``) recomputes its forward in each call: its MLP runs
+    once in forward, once in the input pass and once per group of its weights in the weight
+    pass. The planner counts a block's groups from its shape alone (``weight_groups``: one per
+    weight, a bias joining its weight's) and prices that many recomputations
+    (``pass_times``); Qwen2's q, k and v biases and Qwen3's q and k norms and experts change
+    the count."""
+    import torch
+    import transformers
+    from torch.distributed.pipelining._backward import (stage_backward_input,
+                                                        stage_backward_weight)
+
+    from shardgraph.parallelisms.activation_checkpointing import whole_checkpoint
+    from shardgraph.planner.shape import TINY, layer_kind, shape_from_values, weight_groups
+
+    moe = {"num_experts": 8, "moe_intermediate_size": 48, "mlp_only_layers": [1]}
+    values = {**TINY, "num_hidden_layers": 3, **(moe if "Moe" in arch else {})}
+    cls = getattr(transformers, arch)
+    torch.manual_seed(0)
+    model = cls(cls.config_class(**values))
+    runs = [0] * 3
+    for i, block in enumerate(model.model.layers):
+        whole_checkpoint(block)
+        block.mlp.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    x = torch.randn(2, 16, TINY["hidden_size"], requires_grad=True)
+    loss = model(inputs_embeds=x).logits.square().mean()
+    params = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
+    _, groups = stage_backward_input([loss], None, [x], iter(params))
+    stage_backward_weight(iter(params), groups)
+
+    shape = shape_from_values(arch, values)
+    mine = [weight_groups(shape, layer_kind(shape, i)) for i in range(3)]
+    assert len(groups) == sum(mine) + 2  # and the final norm's and the head's
+    assert runs == [2 + g for g in mine] and min(mine) >= 9
+
+    # pp declares it for its zero-bubble schedules; a whole backward recomputes once
+    assert pass_times(_view("zero_bubble", 4, 8, 1.0)[0], mine[0]) == (1.0, 2.0, 1.0 + mine[0])
+    assert pass_times(_view("v_schedule", 4, 8, 1.0)[0], mine[0]) == (1.0, 2.0, 1.0 + mine[0])
+    assert pass_times(_view("interleaved_1f1b", 4, 8, 1.0)[0], mine[0]) == (1.0, 2.0, 1.0)
+    assert pass_times(_view("zero_bubble", 4, 8, 0.0)[0], mine[0]) == (1.0, 1.0, 1.0)

@@ -79,6 +79,9 @@ class PipelineCost:
     micro-batch's backward ends, behind the backward of the stages still running
     (Megatron-Core's interleaved schedule calls ``grad_sync_func`` per model chunk); False: the
     rank's gradients behind its last micro-batch's backward.
+    ``weight_pass_per_group``: a split backward's weight pass runs autograd once per parameter
+    group (torch's ``stage_backward_weight``: a block's weights one by one), and a checkpointed
+    block recomputes its forward in each call; False: once a block.
     Which numbers of micro-batches a schedule accepts stays the plugin's ``check``.
     """
 
@@ -92,6 +95,7 @@ class PipelineCost:
     recv_buffers: bool = True
     reduce_after_backward: bool = True
     reduce_per_chunk: bool = False
+    weight_pass_per_group: bool = False
     microbatch_size: int = 1
     layers_per_stage: int | None = None
     #: ``split(n_layers, n_stages, layers_per_stage) -> [range]``: the blocks of each stage

@@ -55,7 +55,7 @@ import attrs
 from .gpus import GPU, SAME_DIE
 from .memory import (EXTRAS, held_numel, kv_width, microbatches, stage_gathers, stage_layers,
                      state_numel, trainable_share)
-from .shape import ModelShape, layer_kind
+from .shape import ModelShape, layer_kind, weight_groups
 from .view import PlanView, Setup
 
 
@@ -289,19 +289,23 @@ def comm_bytes(shape: ModelShape, v: PlanView, size: str, tokens: int) -> float:
     return local * shape.vocab * cb  # logits
 
 
-def pass_times(v: PlanView) -> tuple[float, float, float]:
+def pass_times(v: PlanView, groups: float = 1.0) -> tuple[float, float, float]:
     """(F, B, W): a block's forward, input-gradient and weight-gradient passes in units of its
     forward; recomputation runs in B. A schedule that splits backward runs the weight pass on
     its own later, and a checkpointed block's recomputed activations do not wait for it: the
-    weight pass recomputes them again (torch's interleaved zero bubble with full activation
-    checkpointing ran at 13 tokens/s/GPU against interleaved 1F1B's 128 on torchtitan's 405B,
-    pytorch/torchtitan#773; without checkpointing it was the faster)."""
+    weight pass recomputes them again, once per parameter group where it runs autograd group
+    by group (``PipelineCost.weight_pass_per_group``; ``groups``: a block's, ``weight_groups``:
+    torch 2.13 runs a Llama block's forward 11 times a micro-batch under full checkpointing,
+    where 1F1B runs it twice). Torch's interleaved zero bubble with full checkpointing ran at
+    13 tokens/s/GPU against interleaved 1F1B's 128 on torchtitan's 405B (pytorch/torchtitan#773;
+    without checkpointing it was the faster)."""
     pipe = v.pipeline
-    w = 1.0 + (v.recompute if pipe is not None and pipe.split_backward else 0.0)
-    return 1.0, 1.0 + v.recompute, w
+    split = pipe is not None and pipe.split_backward
+    reruns = (groups if pipe.weight_pass_per_group else 1.0) if split else 0.0
+    return 1.0, 1.0 + v.recompute, 1.0 + v.recompute * reruns
 
 
-def bubble_share(v: PlanView, n_micro: int, chunks: int) -> float:
+def bubble_share(v: PlanView, n_micro: int, chunks: int, groups: float = 1.0) -> float:
     """The pipeline bubble as a share of a rank's compute, counting in passes of one chunk
     (the notation of Qi et al. 2024, "Zero Bubble Pipeline Parallelism"):
 
@@ -322,7 +326,7 @@ def bubble_share(v: PlanView, n_micro: int, chunks: int) -> float:
     table, ordered for passes that take alike, departs from it for other ratios than ``B = W
     >= F``, the planner's.
     """
-    f, b, w = pass_times(v)
+    f, b, w = pass_times(v, groups)
     if v.adapter_rank:  # frozen weights (LoRA): no weight gradients to fill the drain with
         w -= 1.0
     pipe = v.pipeline
@@ -397,14 +401,17 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     tokens = mbs * seq  # per micro-batch of one dp rank
     cb = v.compute_bytes or shape.param_bytes  # activations and gathered parameters
     rb = v.reduce_bytes or v.compute_bytes or shape.param_bytes
-    # forward + backward (2x) + the recomputed share of forward (twice under a split backward)
-    passes = sum(pass_times(v))
-    recomputes = passes - 3
     ranks = stage_layers(shape, v)
     flops = rank_flops_per_token(shape, v, seq)
     worst = max(range(len(ranks)), key=lambda i: flops[i])
     held, n_chunks = ranks[worst]
     blocks = [(k, n) for k, n in held.kinds if k not in EXTRAS]
+    groups = (sum(n * weight_groups(shape, k) for k, n in blocks) / sum(n for _, n in blocks)
+              if blocks else 1.0)
+    # forward + backward (2x) + the recomputed share of forward (again in a split backward's
+    # weight pass, once per parameter group where it runs autograd group by group)
+    passes = sum(pass_times(v, groups))
+    recomputes = passes - 3
     # the rank's matmuls at their kind's efficiency (the head's as the blocks')
     e = (sum(n * _kind_flops(shape, seq, k) for k, n in blocks) / sum(
         n * _kind_flops(shape, seq, k) / efficiency(shape, v, eff, gpu.name, tokens, k)
@@ -601,7 +608,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         # (the LM head's) sets the steady state, not the ramps
         others = [f for i, f in enumerate(flops) if i != worst]
         ramp = sum(others) / len(others) / flops[worst] if flops[worst] else 1.0
-        bubble = bubble_share(v, n_micro, n_chunks) * (compute * ramp + in_pass)
+        bubble = bubble_share(v, n_micro, n_chunks, groups) * (compute * ramp + in_pass)
     # optimizer: reads parameters, gradients, states; writes parameters and states
     local = state_numel(shape, held, v)[2] * shape.param_bytes * trainable_share(shape, v)
     states = setup.optimizer_states

@@ -133,6 +133,14 @@ def kind_params(m: ModelShape, kind: str) -> tuple[Param, ...]:
     return () if layer is None else tuple(p for p in _params(m) if p.layer == layer)
 
 
+def weight_groups(m: ModelShape, kind: str) -> int:
+    """The parameter groups of one block of ``kind`` that torch's zero-bubble weight pass runs
+    autograd for one by one (``stage_backward_weight``): one per weight, a bias joining its
+    weight's (one ``addmm``). ``tests/test_planner_schedules.py`` checks each family against
+    torch's own grouping."""
+    return sum(1 for p in kind_params(m, kind) if not p.name.endswith(".bias"))
+
+
 def _params(m: ModelShape) -> list[Param]:
     h, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
     out = [Param("model.embed_tokens.weight", (m.vocab, h), 0, "first")]
