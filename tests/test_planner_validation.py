@@ -8,7 +8,9 @@ Bounds, from the run that fitted the constants: held-out step-time mean absolute
 no row off by more than 76% (the MoE rows; bound 80%); llm-foundry's 192 4.0%; held-out memory
 MAPE 3.1% over 16 rows (bound 10%; 4.3% before each pipeline stage's fsdp2 gradients were freed
 after its own last backward), none more than 5% under a measured peak. The figures since,
-each as measured when its change landed (the misses' current figures are in ``MISSES``): 5.4% over
+each as measured when its change landed (the misses' current figures are in ``MISSES``): 4.995%
+over the 321 (3.84% over the 303) since fsdp2's root is priced gathered once a micro-batch, as
+torch leaves it unsharded through backward (4.987% and 3.83% priced as a block); 5.4% over
 the 321 (22 past 15%; NeMo's seven held-out long-sequence runs 9.9%, -15% at 32K to +4% at 512K,
 its tp 4 runs priced 13% fast and its tp 8 run 4% slow at the same 32K tokens a rank) while flash
 attention was priced at a share of the linears' efficiency, 5.3% over the 314 before NeMo's runs

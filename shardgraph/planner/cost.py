@@ -53,7 +53,7 @@ from typing import Any
 import attrs
 
 from .gpus import GPU, SAME_DIE
-from .memory import (EXTRAS, held_numel, kv_width, microbatches, stage_gathers, stage_layers,
+from .memory import (EXTRAS, Held, held_numel, kv_width, microbatches, stage_gathers, stage_layers,
                      state_numel, trainable_share)
 from .shape import ModelShape, layer_kind, weight_groups
 from .view import PlanView, Setup
@@ -394,6 +394,40 @@ def last_matmul_flops(shape: ModelShape, kind: str) -> float:
     return 0.0 if kind == "moe" else 2.0 * shape.intermediate * shape.hidden
 
 
+def strategy_gathers(shape: ModelShape, v: PlanView, held, n_micro: int, n_chunks: int,
+                     worst: int) -> list[tuple[float, float]]:
+    """A sharded strategy's all-gathers on one rank in a step, as (how many, elements each):
+    the blocks', one unit each, and the root's (embedding, final norm, head), but the routed
+    experts' (their own unit, over ``ep_shard``).
+
+    Blocks gather once per micro-batch's forward and, resharded after it, again in its
+    backward; the root is not resharded after forward (torch's default for it: backward would
+    gather it again at once), so once per micro-batch. Under torch's pipeline stages none after
+    the first forward unless resharded after forward: they keep the parameters through every
+    micro-batch's backward (``set_reshard_after_backward(False)`` but on the last), but for the
+    stages gathered again past the runtime's limit of gathered stages (``stage_gathers``); there
+    every unit is priced alike. Whole parameters (a flat buffer below ZeRO 3) are gathered once
+    a step, after the optimizer (below ZeRO 1, the second half of the gradients' all-reduce).
+    The first pair is the blocks' (together), the second the root's. ``tests/test_planner.py``
+    checks them against the dry run's rows."""
+    unsharded = held_numel(shape, held, v, False if v.ep > 1 else None, unsharded=True)
+    blocks = max(held.layers, 1)
+    if v.strategy == "sharded" and v.shards < 3:
+        gathers = root = 1
+    elif v.pp > 1:
+        gathers = root = stage_gathers(v, n_micro, n_chunks, worst) + (
+            n_micro if v.reshard_after_forward else 0)
+    else:
+        gathers = n_micro * (2 if v.reshard_after_forward else 1)
+        root = n_micro if v.strategy == "fully_shard" else gathers
+    if v.pp > 1 or v.strategy != "fully_shard":
+        each = unsharded / (blocks + 1)
+        return [(gathers * blocks, each), (root, each)]
+    root_numel = held_numel(shape, Held(tuple(kn for kn in held.kinds if kn[0] in EXTRAS)), v,
+                            False if v.ep > 1 else None, unsharded=True)
+    return [(gathers * blocks, (unsharded - root_numel) / blocks), (root, root_numel)]
+
+
 def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
               eff: Efficiency) -> dict[str, Any]:
     mbs, n_micro = microbatches(v, setup)
@@ -534,25 +568,13 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         axis = "dp_shard_cp" if v.strategy == "fully_shard" else "dp"  # its rings' group
         crosses = v.group_crosses_nodes(axis)
         unsharded = held_numel(shape, held, v, False if v.ep > 1 else None, unsharded=True)
-        # all-gathers per step: one per micro-batch's forward and (resharded after it) one per
-        # its backward; under torch's pipeline stages none after the first forward unless
-        # resharded after forward: they keep the parameters through every micro-batch's
-        # backward (``set_reshard_after_backward(False)`` but on the last), but for the
-        # stages gathered again past the runtime's limit of gathered stages (``stage_gathers``)
-        if v.strategy == "sharded" and v.shards < 3:
-            # whole parameters: the updated ones gathered once per step, after the optimizer
-            # (below ZeRO 1, the second half of the gradients' all-reduce)
-            gathers = 1
-        elif v.pp > 1:
-            gathers = stage_gathers(v, n_micro, n_chunks, worst) + (
-                n_micro if v.reshard_after_forward else 0)
-        else:
-            gathers = n_micro * (2 if v.reshard_after_forward else 1)
         # the NICs its rings use in a node, and its members there (the ring's latency)
         k, inn = v.members_per_node(axis), v.members_in_node(axis)
         units = max(layers, 1) + 1  # a collective per block and one for the rest
-        ag = gathers * units * _collective("all_gather", n, unsharded * cb / units, crosses,
-                                           gpu, eff, k, inn)
+        gathered = strategy_gathers(shape, v, held, n_micro, n_chunks, worst)
+        ag = sum(count * _collective("all_gather", n, numel * cb, crosses, gpu, eff, k, inn)
+                 for count, numel in gathered)
+        issued = sum(count for count, _ in gathered)
         # gradients reduced once per step (deferred; always under torch's pipeline stages), or
         # after every micro-batch's backward
         reductions = 1 if v.defer_grad_sync or v.pp > 1 else n_micro
@@ -565,10 +587,11 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         if ex and ep_shard > 1:  # the experts' own unit, over the ranks holding the same ones
             cross = v.group_crosses_nodes("ep_shard")
             k, inn = v.members_per_node("ep_shard"), v.members_in_node("ep_shard")
-            ag += gathers * _collective("all_gather", ep_shard, ex * cb, cross, gpu, eff, k, inn)
+            ag += gathered[0][0] / max(layers, 1) * _collective(  # as often as a block
+                "all_gather", ep_shard, ex * cb, cross, gpu, eff, k, inn)
             rs += reductions * _collective("reduce_scatter", ep_shard, ex * rb, cross, gpu, eff,
                                            k, inn)
-        first = ag / (gathers * units) if gathers else 0.0
+        first = ag / issued if issued else 0.0
         # the prefetched all-gathers hide behind the compute, the reduce-scatters behind the
         # backward they follow (on its own stream); what hides still costs ``eff.overlap`` of
         # its time; a pipeline whose stages reduce fsdp's gradients in a step of their own
