@@ -572,6 +572,58 @@ def test_a_chunked_loss_computes_the_heads_logits_once_more():
         extra / (a["efficiency"] * gpu.peak_flops))
 
 
+@pytest.mark.parametrize("train,plan", [
+    ("micro_batch_size = 2\n", "[plugins.fsdp2]\n"),
+    ("micro_batch_size = 2\n", "[plugins.fsdp2]\nreshard_after_forward = false\n"),
+    ("", "[plugins.fsdp2]\n[plugins.pp]\nsize = 2\nmicrobatch_size = 2\n")])
+def test_the_strategys_gathers_are_the_dry_runs(train, plan):
+    """The all-gathers the planner prices for fsdp2 on a rank (how many, how large) are the dry
+    run's rows (which h29's counted test holds equal to torch's): the root (embedding, final
+    norm, head) gathered once a micro-batch, resharded after forward or not (torch's root
+    default); priced as a block before, 16 gathers and 6,990,336 bytes where torch issues 14
+    and 5,416,704 (two micro-batches, resharded). Under pp, a stage's units alike."""
+    from shardgraph.planner.cost import strategy_gathers
+    from shardgraph.planner.memory import microbatches, stage_layers
+    from shardgraph.planner.shape import model_shape
+    from shardgraph.planner.view import plan_view
+    from shardgraph.train.dryrun import dryrun
+    from shardgraph.train.loop import compile_for
+
+    pipeline = loads_pipeline(
+        '[model]\narchitecture = "LlamaForCausalLM"\n[model.config]\nhidden_size = 96\n'
+        "intermediate_size = 192\nnum_hidden_layers = 4\nnum_attention_heads = 6\n"
+        "num_key_value_heads = 2\nvocab_size = 1024\n[data]\nseq_len = 16\n[train]\n"
+        f'global_batch_size = 16\noptimizer = "adamw"\n{train}{plan}')
+    view = plan_view(compile_for(pipeline, 4))
+    shape = model_shape(pipeline.model)
+    n_micro = microbatches(view, predict.setup_of(pipeline))[1]
+    held, chunks = stage_layers(shape, view)[0]
+    gathered = strategy_gathers(shape, view, held, n_micro, chunks, 0)
+    rows = [c for c in dryrun(pipeline, 4, rank=0)["collectives"] if c["op"] == "all_gather"]
+    assert len(rows) == 1 and rows[0]["group"] == "dp_shard_cp"
+    assert sum(n for n, _ in gathered) == rows[0]["count"] >= 3
+    assert sum(n * numel * 4 for n, numel in gathered) == rows[0]["bytes"]  # fp32
+
+
+def test_a_chunked_loss_under_tp_gathers_no_logits():
+    """Under a chunked loss the logits never exist whole, so tp gathers none of them whatever
+    its ``loss_parallel``; the chunked loss all-reduces the head's input gradient over tp once
+    a backward (its dry-run rows): tp's exposed time is the same with and without
+    ``loss_parallel``, above a plain vocabulary-parallel loss's by that reduction alone. Priced
+    before with tp's gather of the whole logits (128,256 a token against 4,096)."""
+    base = EIGHT_B + "[plugins.fsdp2]\n[plugins.tp]\nsize = 2\nloss_parallel = {}\n{}"
+
+    def tp_s(loss_parallel: bool, chunked: bool) -> float:
+        out = estimate(base.format(str(loss_parallel).lower(),
+                                   "[plugins.chunked_loss]\n" if chunked else ""), 8)
+        return out["breakdown_s"]["exposed_comm"]["tp"]
+
+    gathered, sharded = tp_s(False, False), tp_s(True, False)
+    assert gathered > sharded  # the plain loss's logits gather
+    assert tp_s(False, True) == pytest.approx(tp_s(True, True))
+    assert sharded < tp_s(True, True) < sharded * 1.1
+
+
 def test_compile_prices_its_compiled_loss():
     """compile's cost declares the compiled loss (inductor, ``loss`` on): the loss's peak
     drops by the fp32 copies of the logits, 8 bytes per logit of a micro-batch; not under

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ...core.blocks import output_embeddings
-from ...core.costs import Cost
+from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
 from ...core.model_config import read_layer_values
@@ -159,7 +159,12 @@ def _collectives(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext
 
 
 def _cost(options: ChunkedLossOptions, layout) -> Cost:
-    return Cost(loss_chunk_tokens=options.chunk_size)
+    # over tp (which splits the head's vocabulary): the head's input gradient reduced once a
+    # backward (``_collectives``; the per-chunk maxima and sums, three values a token, are not
+    # priced); no logits are gathered, however tp's loss is set
+    comms = (Comm("tp", "all_reduce", "activation", backward=1, per="head"),) \
+        if layout.tp > 1 else ()
+    return Cost(loss_chunk_tokens=options.chunk_size, comms=comms)
 
 
 PLUGIN = Plugin(

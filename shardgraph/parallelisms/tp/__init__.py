@@ -317,7 +317,8 @@ def _retie(model: nn.Module, groups) -> None:
 def _cost(options: TPOptions, layout) -> Cost:
     # two reductions of a block's activations forward (attention, MLP: the second after the
     # block's last matmul) and two backward, each beside the linear it feeds or follows; the
-    # whole logits gathered on the last stage unless the loss runs on vocabulary shards
+    # whole logits gathered on the last stage unless the loss runs on vocabulary shards (or
+    # never materialises them: the planner prices no "logits" collective under a chunked loss)
     comms = [Comm("tp", "all_reduce", "activation", forward=2, backward=2, beside_matmul=True,
                   ends_block=1)]
     if not options.loss_parallel:
