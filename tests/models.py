@@ -129,18 +129,19 @@ def tiny_gemma3n() -> nn.Module:
         attn_implementation="sdpa", use_cache=False))
 
 
-def tiny_qwen3_moe(experts: int = 4) -> nn.Module:
-    """Qwen3-MoE: fused 3-D experts named by ``base_model_ep_plan``, top-2 routing."""
+def tiny_qwen3_moe(experts: int = 4, **config) -> nn.Module:
+    """Qwen3-MoE: fused 3-D experts named by ``base_model_ep_plan``, top-2 routing; ``config``:
+    more config values (``output_router_logits``, ...)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
-        num_experts_per_tok=2, attn_implementation="sdpa", use_cache=False))
+        num_experts_per_tok=2, attn_implementation="sdpa", use_cache=False, **config))
 
 
-def tiny_mixtral(experts: int = 8) -> nn.Module:
+def tiny_mixtral(experts: int = 8, **config) -> nn.Module:
     """Mixtral: the same fused experts under another family's names (``num_local_experts``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -148,7 +149,7 @@ def tiny_mixtral(experts: int = 8) -> nn.Module:
     return MixtralForCausalLM(MixtralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
-        num_experts_per_tok=2, attn_implementation="sdpa", use_cache=False))
+        num_experts_per_tok=2, attn_implementation="sdpa", use_cache=False, **config))
 
 
 def batch(global_batch: int = 4, seq: int = SEQ, seed: int = 1) -> torch.Tensor:

@@ -90,3 +90,18 @@ def name_layers(layers: list[int], most: int = 6) -> str:
     if len(runs) > most:
         text += f", ... ({len(layers)} layers in all)"
     return f"layer{'s' if len(layers) > 1 else ''} {text}"
+
+
+#: the config key that turns a mixture-of-experts router's load-balancing loss on (a refusal
+#: names it: every layout that cannot compute the loss exactly)
+ROUTER_AUX_KEY = "model.config.output_router_logits"
+
+
+def router_aux_loss_coef(config) -> float:
+    """The weight of the router's load-balancing loss that a transformers MoE model asks for:
+    ``router_aux_loss_coef`` where ``output_router_logits`` is set (the model then adds
+    ``router_aux_loss_coef * aux_loss`` to a loss it computes itself), else 0."""
+    config = text_config(config)
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)

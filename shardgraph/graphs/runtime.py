@@ -17,6 +17,10 @@ holds), the parts a step runs (one, or a pipeline's stages) and the values the s
    that hold distinct tokens (dp x cp), over which the strategy averages gradients: the
    gradients are those of the token-weighted mean over the global batch, whatever the layout,
    the accumulation or the masked tokens per rank;
+   where the model's config asks for its MoE router's load-balancing loss
+   (``output_router_logits`` with a non-zero ``router_aux_loss_coef``), the step adds
+   ``router_aux_loss_coef`` times the mean over all the step's micro-batches, every rank's, of
+   transformers' ``load_balancing_loss_func`` of each micro-batch (``router_aux_share``);
 4. the global gradient norm: per mesh, DTensor gradients reduce their own norms exactly
    (``full_tensor``); the squares are summed over the meshes and over ``pp``, whose ranks hold
    different parameters; clipping scales every gradient by ``max_norm / norm`` (as
@@ -41,6 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..core.axes import Axis
 from ..core.errors import PlanError, Violation
+from ..core.model_config import router_aux_loss_coef, text_config
 from ..core.values import LossCompiler, StepRunner, TokenLoss
 
 if TYPE_CHECKING:
@@ -55,6 +60,33 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """The plain token losses: cross-entropy of the logits in fp32, summed, ``-100`` ignored."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                            ignore_index=IGNORE, reduction="sum")
+
+
+def router_balance(router_logits: tuple[torch.Tensor, ...], top_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sums transformers' ``load_balancing_loss_func`` takes over a micro-batch's tokens
+    (rows) and all its MoE layers, without an attention mask (a step passes none): the top-k
+    assignments per expert with the count of rows appended, ``(E + 1,)`` (not differentiable),
+    and the router's probabilities summed per expert, ``(E,)``."""
+    experts = router_logits[0].shape[-1]
+    counts = torch.zeros(experts + 1, dtype=torch.float32, device=router_logits[0].device)
+    probs = torch.zeros(experts, dtype=torch.float32, device=router_logits[0].device)
+    for logits in router_logits:
+        weights = F.softmax(logits, dim=-1)
+        chosen = torch.topk(weights, top_k, dim=-1).indices
+        counts[:experts] += torch.bincount(chosen.flatten(), minlength=experts).float()
+        counts[experts] += weights.shape[0]
+        probs = probs + weights.float().sum(dim=0)
+    return counts, probs
+
+
+def router_aux_loss(counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """transformers' load-balancing loss from ``router_balance``'s sums: ``E * sum_e f_e P_e``,
+    the fraction of assignments to expert e times its mean probability. With ``counts`` summed
+    over every rank that holds tokens of the micro-batch, the loss is linear in ``probs``: each
+    rank's share, from its own tokens' probabilities, sums to the micro-batch's loss."""
+    rows = counts[-1].clamp_min(1)
+    return probs.numel() * torch.sum(counts[:-1] / rows * (probs / rows))
 
 
 @contextlib.contextmanager
@@ -90,6 +122,12 @@ class ParallelModel:
         self.plan, self.ctx, self.module, self.values = plan, ctx, module, dict(values)
         self._hook_cache: dict[str, list] = {}
         self._token_loss: TokenLoss | None = None
+        config = next((m.config for m in module.modules()
+                       if getattr(m, "config", None) is not None), None)
+        #: the weight of the MoE router's load-balancing loss in a step's loss (0: none)
+        self.router_aux_coef = router_aux_loss_coef(config)
+        self._top_k = getattr(text_config(config), "num_experts_per_tok", None) \
+            if self.router_aux_coef else None
         runners = [v for v in values.values() if isinstance(v, StepRunner)]
         self.runner: StepRunner | None = runners[0] if runners else None
 
@@ -169,26 +207,60 @@ class ParallelModel:
     def own_reduction(self, value: torch.Tensor, group) -> torch.Tensor:
         """Sum ``value`` in place over ``group`` (None: this rank alone) and return it: every
         reduction the step makes of its own (the token count, the loss, the gradient norm's
-        squares) and no other, since no plugin declares these: a count of the collectives
-        the plugins declare leaves out what passes here."""
+        squares, the router's assignments per expert) and no other, since no plugin declares
+        these: a count of the collectives the plugins declare leaves out what passes here."""
         if group is not None:
             dist.all_reduce(value, group=group)
         return value
 
+    def router_aux_share(self, output: Any, tokens: int) -> torch.Tensor:
+        """This rank's share of the load-balancing loss of the micro-batch whose ``output`` this
+        is (``router_aux_loss``), ``tokens`` of it on this rank: the routing counts are summed
+        over cp, whose ranks hold the other tokens of the same sequences; a data-parallel
+        rank's micro-batch is its own, as one process's micro-batch of the same size is. A
+        router that saw other than this rank's tokens (a layout that shards the sequence
+        inside the model around it) would make another loss: refused, not added."""
+        logits = getattr(output, "router_logits", None)
+        if not logits or self._top_k is None:
+            raise RuntimeError(
+                f"config.output_router_logits is set but {type(output).__name__} carries no "
+                "router_logits (or the config no num_experts_per_tok): the router's "
+                "load-balancing loss cannot be added")
+        rows = sorted({layer.shape[0] for layer in logits})
+        if rows != [tokens]:
+            raise RuntimeError(
+                f"the MoE routers scored {rows} tokens where this rank holds {tokens}: their "
+                "load-balancing loss would not be one process's; set "
+                "config.output_router_logits = false")
+        counts, probs = router_balance(tuple(logits), self._top_k)
+        lay = self.ctx.layout
+        group = self.ctx.mesh(Axis.CP).get_group() \
+            if self.ctx.device_mesh is not None and lay.cp > 1 else None
+        return router_aux_loss(self.own_reduction(counts, group), probs)
+
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                         loss_fn: LossFn, position_ids: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         loss_fn: LossFn, position_ids: torch.Tensor | None = None,
+                         aux_scale: float = 0.0) -> torch.Tensor:
         """Forward and backward of one micro-batch (already shifted labels); returns the sum of
-        ``loss_fn`` on this rank, detached. ``position_ids`` (packed documents) go to the
+        ``loss_fn`` on this rank, detached, plus ``aux_scale`` times its share of the router's
+        load-balancing loss where it is not 0. ``position_ids`` (packed documents) go to the
         model."""
         inputs, local = self._model_inputs(input_ids, labels, position_ids)
         if self.runner is not None:
+            if aux_scale:  # pp's model check refuses the aux loss first
+                raise RuntimeError("a pipeline schedule cannot add the router's aux loss")
             ids = inputs.pop("input_ids")
             with self.loss_context(), _outputs_read_out_of_place():
                 return self.runner.run(ids, local, loss_fn, **inputs).detach()
         with self.loss_context(), _outputs_read_out_of_place():
             out = self.module(**inputs)
             loss = loss_fn(getattr(out, "logits", out), local)
+            if aux_scale:
+                aux = aux_scale * self.router_aux_share(out, inputs["input_ids"].numel())
+                if isinstance(loss, DTensor):  # tp's loss_parallel: the same on every tp rank
+                    aux = DTensor.from_local(aux, loss.device_mesh,
+                                             [Replicate()] * loss.device_mesh.ndim)
+                loss = loss + aux
             loss.backward()
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -299,9 +371,13 @@ class ParallelModel:
         chunks = list(zip(input_ids.split(size), labels.split(size),
                           _split(batch, size, self.ctx.device)))
         loss = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        # The aux loss is the mean of the micro-batches' over all ranks' (len(chunks) * dp of
+        # them); each is shared by its cp ranks, and the strategy averages over dp x cp.
+        aux_scale = self.router_aux_coef * ranks / (len(chunks) * lay.dp)
         for i, (ids, lab, pos) in enumerate(chunks):
             self.gradient_sync(i == len(chunks) - 1)
-            loss += self.forward_backward(ids, lab, loss_fn, pos).float().reshape(())
+            loss += self.forward_backward(ids, lab, loss_fn, pos,
+                                          aux_scale).float().reshape(())
         if self.runner is not None:
             self.runner.reduce_grads()
         loss = self.own_reduction(loss, self._group(Axis.DP, Axis.CP)) / ranks

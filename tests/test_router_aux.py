@@ -1,0 +1,104 @@
+"""The MoE router's load-balancing (aux) loss: what a step adds, and where it is refused.
+
+A transformers MoE model whose config sets ``output_router_logits`` adds
+``router_aux_loss_coef * aux_loss`` to the loss it computes from ``labels``; a step computes
+the loss itself, from the logits, and adds the same term from the output's ``router_logits``.
+Here, in one process: the term is transformers' ``load_balancing_loss_func`` (every family's,
+to the last bit), its shares over a split of the tokens sum to it, and a step's loss and
+gradients are the model's own ``loss`` with labels (within 1e-6). Layouts compared with one
+process on gloo: tests/test_same_numbers.py (``moe_aux_*``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardgraph import Graph
+from shardgraph.graphs.runtime import router_aux_loss, router_balance
+from tests.models import batch, tiny_mixtral, tiny_qwen3_moe
+
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "mixtral": tiny_mixtral}
+
+
+def _hf_loss(family: str):
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return module.load_balancing_loss_func
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_aux_loss_is_transformers_load_balancing_loss(family, dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(24, 6, generator=g).to(dtype).requires_grad_()
+                   for _ in range(3))
+    want = _hf_loss(family)(logits, 6, 2)
+    got = router_aux_loss(*router_balance(logits, 2))
+    assert got.item() == want.item()
+    for a, b in zip(torch.autograd.grad(want, logits), torch.autograd.grad(got, logits)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_shares_over_pooled_counts_sum_to_the_whole_micro_batch():
+    """What cp's ranks do: each computes its share from its own tokens' probabilities once the
+    routing counts are summed; the shares and their gradients are the whole's."""
+    g = torch.Generator().manual_seed(1)
+    logits = tuple(torch.randn(20, 4, generator=g).requires_grad_() for _ in range(2))
+    whole = _hf_loss("qwen3_moe")(logits, 4, 2)
+    parts = [router_balance(tuple(t[:7] for t in logits), 2),
+             router_balance(tuple(t[7:] for t in logits), 2)]
+    counts = parts[0][0] + parts[1][0]
+    shares = sum(router_aux_loss(counts, probs) for _, probs in parts)
+    torch.testing.assert_close(shares, whole, rtol=1e-6, atol=0)
+    for a, b in zip(torch.autograd.grad(whole, logits), torch.autograd.grad(shares, logits)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def _one_process(model):
+    plan = Graph().compile(world_size=1)
+    return plan.apply(model, plan.build_mesh("cpu"))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("micro", [None, 1])
+def test_a_step_trains_on_the_models_own_loss_with_labels(family, micro):
+    """transformers' loss with labels (cross-entropy + coef * aux), per micro-batch and
+    averaged over them (all sequences count the same tokens), loss and gradients."""
+    model = FAMILIES[family](**AUX)
+    ref = copy.deepcopy(model)
+    tokens = batch(2)
+    parts = tokens.split(micro or len(tokens))
+    want = 0.0
+    for part in parts:
+        out = ref(input_ids=part, labels=part)
+        assert out.aux_loss.item() > 1.0  # (top-2: 2 where the routing is balanced)
+        (out.loss / len(parts)).backward()
+        want += out.loss.item() / len(parts)
+    parallel = _one_process(model)
+    assert parallel.router_aux_coef == 0.5
+    got = parallel.step(tokens, None, micro_batch_size=micro)
+    assert got.loss == pytest.approx(want, abs=1e-6)
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
+
+
+def test_without_the_config_flag_no_aux_loss_is_added():
+    model = tiny_qwen3_moe(router_aux_loss_coef=0.5)  # output_router_logits left False
+    tokens = batch(2)
+    want = copy.deepcopy(model)(input_ids=tokens, labels=tokens).loss.item()
+    parallel = _one_process(model)
+    assert parallel.router_aux_coef == 0.0
+    assert parallel.step(tokens, None).loss == pytest.approx(want, abs=1e-6)
+
+
+def test_a_router_that_saw_other_tokens_is_refused_not_added():
+    parallel = _one_process(tiny_qwen3_moe(**AUX))
+    output = SimpleNamespace(router_logits=(torch.randn(3, 4), torch.randn(3, 4)))
+    with pytest.raises(RuntimeError, match=r"scored \[3\] tokens where this rank holds 6"):
+        parallel.router_aux_share(output, 6)
