@@ -6,7 +6,8 @@ the loss itself, from the logits, and adds the same term from the output's ``rou
 Here, in one process: the term is transformers' ``load_balancing_loss_func`` (every family's,
 to the last bit), its shares over a split of the tokens sum to it, and a step's loss and
 gradients are the model's own ``loss`` with labels (within 1e-6). Layouts compared with one
-process on gloo: tests/test_same_numbers.py (``moe_aux_*``).
+process on gloo: tests/test_same_numbers.py (``moe_aux_*``). pp is refused before anything
+changes, with every other problem of the plan.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardgraph import Graph
+from shardgraph import Graph, MeshContext, PlanError
 from shardgraph.graphs.runtime import router_aux_loss, router_balance
 from tests.models import batch, tiny_mixtral, tiny_qwen3_moe
 
@@ -102,3 +103,74 @@ def test_a_router_that_saw_other_tokens_is_refused_not_added():
     output = SimpleNamespace(router_logits=(torch.randn(3, 4), torch.randn(3, 4)))
     with pytest.raises(RuntimeError, match=r"scored \[3\] tokens where this rank holds 6"):
         parallel.router_aux_share(output, 6)
+
+
+# -- refused: pp, before anything changes, with the plan's other problems ---------------------
+
+
+def _pp(schedule: str, ep: int = 1) -> Graph:
+    graph = Graph().add("pp", size=2, schedule=schedule)
+    return (graph.add("ep", size=ep) if ep > 1 else graph).add("fsdp2")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
+def test_pp_refuses_the_aux_loss(schedule):
+    plan = _pp(schedule).compile(world_size=4)
+    model = tiny_qwen3_moe(**AUX)
+    with pytest.raises(PlanError) as info:
+        plan.apply(model, MeshContext(plan.layout, "cpu"))  # no process group needed
+    # (the looped schedules' 4 stages also find 2 layers too few: reported together)
+    (v,) = [v for v in info.value.violations if v.rule == "router-aux-loss"]
+    assert (v.rule, v.plugin) == ("router-aux-loss", "pp")
+    assert v.keys == ("model.config.output_router_logits", "plugins.pp.size")
+    assert "router_aux_loss_coef = 0.5" in v.message
+    assert "output_router_logits = false" in v.hint and "remove pp" in v.hint
+    assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+@pytest.mark.parametrize("config", [{}, {"output_router_logits": True,
+                                         "router_aux_loss_coef": 0.0}])
+def test_pp_accepts_a_model_without_the_aux_loss(config):
+    plan = _pp("1f1b").compile(world_size=4)
+    plan.check_model(tiny_qwen3_moe(**config), MeshContext(plan.layout, "cpu"))
+
+
+def test_the_refusal_comes_with_every_other_problem():
+    """6 experts at ep 4: ep's own model check fails too; one error names both."""
+    plan = _pp("1f1b", ep=4).compile(world_size=8)
+    with pytest.raises(PlanError) as info:
+        plan.check_model(tiny_qwen3_moe(6, **AUX), MeshContext(plan.layout, "cpu"))
+    assert set(info.value.rules) == {"router-aux-loss", "model"}
+    assert {"model.config.output_router_logits", "plugins.ep.size"} <= set(info.value.keys)
+
+
+def test_the_launcher_refuses_it_before_launch():
+    """``shardgraph train``'s checks before any process starts, in the [distributed] form's
+    keys."""
+    from shardgraph.train import loads_pipeline
+    from shardgraph.train.preflight import check
+
+    pipeline = loads_pipeline("""
+[model]
+architecture = "Qwen3MoeForCausalLM"
+[model.config]
+vocab_size = 64
+hidden_size = 32
+intermediate_size = 64
+moe_intermediate_size = 16
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 8
+num_experts = 4
+num_experts_per_tok = 2
+output_router_logits = true
+[distributed]
+strategy = "fsdp2"
+pp_size = 2
+""")
+    with pytest.raises(PlanError) as info:
+        check(pipeline, 2)
+    (v,) = [v for v in info.value.violations if v.rule == "router-aux-loss"]
+    assert v.keys == ("model.config.output_router_logits", "distributed.pp_size")
+    assert "router_aux_loss_coef = 0.001" in v.message  # transformers' default weight

@@ -28,6 +28,10 @@ and the last stage sum the weight's gradients over an embedding group of their o
 scheme; the pp group itself at pp = 2; none under a V, where one rank holds both stages), the
 norm counts the weight once, and identical optimizer steps keep both copies equal.
 
+A mixture-of-experts router's load-balancing loss (``output_router_logits`` with a non-zero
+``router_aux_loss_coef``) is refused: it is one loss over every MoE layer's router logits, and
+the stages hold different layers while the schedule's loss sees the last stage's output only.
+
 A step hands the schedule the whole local batch: its microbatches are the gradient
 accumulation, so gradients are reduced once per step. torch's stages keep the shapes of their
 first microbatch, so each batch shape gets its own stages and schedule, built at its first use
@@ -45,6 +49,7 @@ import attrs
 from ...core.axes import Axis
 from ...core.costs import Cost, PipelineCost
 from ...core.errors import Violation, choices_hint, did_you_mean
+from ...core.model_config import ROUTER_AUX_KEY, router_aux_loss_coef
 from ...core.values import Applied, BatchShape, collective
 from ...plugins import Kind, OptionFlag, Plugin
 
@@ -260,11 +265,30 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> 
 def _model_check(model, options: PPOptions, ctx) -> list[Violation]:
     from ._split import model_violations
 
+    lay = ctx.layout
+    bad = _router_aux_violations(model) if lay.pp > 1 else []
     sched = schedule(options.schedule)
     if sched is None:
+        return bad
+    return bad + model_violations(model, options, sched, wrapped=lay.dp * lay.cp > 1)
+
+
+def _router_aux_violations(model) -> list[Violation]:
+    """The router's load-balancing loss needs every MoE layer's router logits in one loss; a
+    stage holds some layers and the schedule's loss reads the last stage's output only."""
+    coef = router_aux_loss_coef(getattr(model, "config", None))
+    if not coef:
         return []
-    lay = ctx.layout
-    return model_violations(model, options, sched, wrapped=lay.dp * lay.cp > 1)
+    return [Violation(
+        "router-aux-loss", (ROUTER_AUX_KEY, "plugins.pp.size"),
+        f"output_router_logits = true asks for the MoE router's load-balancing loss "
+        f"(router_aux_loss_coef = {coef:g}), which pipeline parallelism cannot compute: it is "
+        "one loss over the router logits of every MoE layer, the stages hold different layers, "
+        "and the schedule's loss reads the last stage's output only",
+        hint="either set output_router_logits = false (or router_aux_loss_coef = 0) under "
+             "[model.config], training without the load-balancing loss, or remove pp (pp size "
+             "1: fsdp2, ddp, hsdp, ep, tp, sp and cp compute it exactly)",
+        plugin="pp")]
 
 
 def _apply(model, options: PPOptions, ctx, inputs):
