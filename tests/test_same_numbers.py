@@ -17,7 +17,10 @@ torch.compile (aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, tp, tp + 
 cp + selective, pp, ep + full),
 and a LoRA model (``lora`` on every linear but the LM head; its one-process reference is the
 same plan at world size 1, trained in plain torch) under fsdp2, tp x fsdp2, tp + sp, pp x dp, cp,
-and the MoE model's under ep x dp:
+and the MoE model's under ep x dp,
+and the MoE model with its router's load-balancing loss on (``output_router_logits``, weight 0.1:
+transformers' own ``aux_loss`` of each micro-batch, averaged over the micro-batches, in the
+reference) under fsdp2, ep x dp, ep x cp, and tp + sp with the loss computed in parallel:
 per-step losses within 1e-5, the global gradient norm within 1e-5 relative, and the parameters
 after three steps within 1e-3, but the faint elements within lr. The gradients agree with one
 process's to float32's summation noise (under cp x tp + sp and cp + chunked_loss, up to 8e-9
@@ -32,7 +35,7 @@ below it by up to lr. Measured beyond the faint elements: up to 2.6e-5, and 2.4e
 model, whose one-process float32 run is itself 2.2e-4 from float64's. And no warning reaches
 the user.
 Validation first (``ParallelModel.evaluate`` on the first batch, before any step) gives one
-process's first loss within 1e-5 and leaves the parameters as it found them, under every layout
+process's first loss (its next-token part: evaluate adds no aux loss) within 1e-5 and leaves the parameters as it found them, under every layout
 but the compiled ones and zero bubble's (whose eval torch 2.13 does not run).
 """
 
@@ -54,16 +57,19 @@ pytestmark = pytest.mark.multiprocess
 SEQ, GLOBAL, STEPS, LR, WD, CLIP = 8, 8, 3, 1e-2, 0.1, 0.05
 FAINT = 10  # faint: an element whose sqrt(v) fell below 10 x AdamW's eps (module docstring)
 COMPILE = {"backend": "aot_eager", "dynamic": False}
+AUX_COEF = 0.1  # the "moe_aux" model's router_aux_loss_coef
 
 
-def tiny_moe():
+def tiny_moe(aux: bool = False):
+    """With ``aux``, the router's load-balancing loss on (weighing 0.1 in the loss)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, attn_implementation="sdpa", use_cache=False))
+        num_experts=4, num_experts_per_tok=2, attn_implementation="sdpa", use_cache=False,
+        output_router_logits=aux, router_aux_loss_coef=AUX_COEF))
 
 
 def batches() -> list[dict[str, torch.Tensor]]:
@@ -87,7 +93,7 @@ def build(kind: str):
         return tiny_llama(layers=4, tie_word_embeddings=True)
     if kind == "mla":  # DeepSeek-V3's attention: a rope key every head reads
         return tiny_mla()
-    model = tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4)
+    model = tiny_moe(aux=kind == "moe_aux") if kind.startswith("moe") else tiny_llama(layers=4)
     if kind.endswith("lora"):  # the adapters as lora draws them, in one process
         plan = lora().compile(world_size=1)
         return plan.apply(model, plan.build_mesh("cpu")).module
@@ -99,28 +105,33 @@ def reference(kind: str, micro: int) -> dict:
     """Plain torch, one process: what every layout must reproduce."""
     model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    losses, norms = [], []
+    losses, norms, validation = [], [], None
     faint = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
     for b in batches():
         shifted = F.pad(b["labels"][:, 1:], (0, 1), value=-100)
         count = int((shifted != -100).sum())
-        total = 0.0
+        total = tokens = 0.0
+        micros = -(-GLOBAL // micro)
         for ids, lab in zip(b["input_ids"].split(micro), shifted.split(micro)):
-            logits = model(input_ids=ids).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), lab.flatten(),
+            out = model(input_ids=ids)
+            loss = F.cross_entropy(out.logits.flatten(0, 1).float(), lab.flatten(),
                                    ignore_index=-100, reduction="sum") / count
+            tokens += loss.item()
+            if kind == "moe_aux":  # transformers' own aux loss, averaged over the micro-batches
+                loss = loss + AUX_COEF * out.aux_loss / micros
             loss.backward()
             total += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         losses.append(total)
+        validation = tokens if validation is None else validation
         for n, p in model.named_parameters():  # AdamW's denominator sqrt(v / (1 - beta2^t))
             if p in opt.state:
                 s = opt.state[p]
                 v = s["exp_avg_sq"] / (1 - opt.defaults["betas"][1] ** float(s["step"]))
                 faint[n] |= (v > 0) & (v.sqrt() < FAINT * opt.defaults["eps"])
-    return {"losses": losses, "norms": norms, "faint": faint,
+    return {"losses": losses, "norms": norms, "faint": faint, "validation": validation,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
 
@@ -159,6 +170,16 @@ LAYOUTS = {
                       .add("fsdp2"), 2),
     "ep2_cp2_fsdp2": ("moe", lambda: Graph().add("ep", size=2).add("cp", size=2)
                       .add("fsdp2"), 2),
+    # the router's load-balancing loss (output_router_logits): each micro-batch's, averaged over
+    # all of them, every rank's; under cp its ranks pool the routing counts of their sequences
+    "moe_aux_fsdp2": ("moe_aux", lambda: Graph().add("fsdp2"), 1),
+    "moe_aux_ep2_fsdp2": ("moe_aux", lambda: Graph().add("ep", size=2).add("fsdp2"), 1),
+    "moe_aux_ep2_cp2_fsdp2": ("moe_aux", lambda: Graph().add("ep", size=2).add("cp", size=2)
+                              .add("fsdp2"), 2),
+    # sp runs the MoE block whole (its routers see every token); loss_parallel's loss is a DTensor
+    "moe_aux_tp2_sp_loss_parallel": ("moe_aux", lambda: Graph()
+                                     .add("tp", size=2, loss_parallel=True).add("sp")
+                                     .add("fsdp2"), 2),
     # selective activation checkpointing, then per-block torch.compile (aot_eager: inductor's
     # kernels are checked once in one process, test_compile.py) over every kind of layout
     "fsdp2_sac": ("llama", lambda: Graph().add("activation_checkpointing", mode="selective")
@@ -265,8 +286,8 @@ def _run(name: str, world: int) -> dict:
 
     kind, graph, micro = LAYOUTS[name]
     model = tiny_llama(layers=4, tie_word_embeddings=True) if kind == "tied" else (
-        tiny_mla() if kind == "mla" else tiny_moe() if kind.startswith("moe")
-        else tiny_llama(layers=4))
+        tiny_mla() if kind == "mla" else tiny_moe(aux=kind == "moe_aux")
+        if kind.startswith("moe") else tiny_llama(layers=4))
     plan = graph().compile(world_size=world)
     compiled = plan.step("compile") is not None
     if compiled:
@@ -316,7 +337,8 @@ def test_losses_norms_and_parameters_match_one_process(world4, name):
     got = world4[name]
     assert_matches_one_process(got, reference(kind, micro))
     if got["validation"] is not None:  # compiled layouts and zero bubble's are not validated
-        assert got["validation"] == pytest.approx(reference(kind, micro)["losses"][0], abs=1e-5)
+        # (the next-token loss: evaluate adds no router aux loss)
+        assert got["validation"] == pytest.approx(reference(kind, micro)["validation"], abs=1e-5)
     # nothing for a user to act on: FSDP2's "returned a view tensor" (tp's logits) included
     assert got["warnings"] == [], got["warnings"]
     # a compiled layout ran compiled blocks (one graph per distinct block, a few more where a
