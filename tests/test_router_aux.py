@@ -174,3 +174,23 @@ pp_size = 2
     (v,) = [v for v in info.value.violations if v.rule == "router-aux-loss"]
     assert v.keys == ("model.config.output_router_logits", "distributed.pp_size")
     assert "router_aux_loss_coef = 0.001" in v.message  # transformers' default weight
+
+
+def test_a_family_whose_loss_differs_is_refused_under_every_plan():
+    """Doge's load_balancing_loss_func (product-key experts) is not the Switch loss a step adds
+    in shares: refused, even in one process, before anything changes."""
+    from transformers import DogeConfig, DogeForCausalLM
+
+    model = DogeForCausalLM(DogeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, is_moe=True, num_experts=16,
+        num_experts_per_tok=2, output_router_logits=True))
+    plan = Graph().add("fsdp2").compile(world_size=2)
+    with pytest.raises(PlanError) as info:
+        plan.check_model(model, MeshContext(plan.layout, "cpu"))
+    (v,) = info.value.violations
+    assert (v.rule, v.keys) == ("router-aux-loss", ("model.config.output_router_logits",))
+    assert "DogeForCausalLM's load_balancing_loss_func" in v.message
+    assert "output_router_logits = false" in v.hint
+    for family in FAMILIES.values():  # the Switch loss: accepted
+        plan.check_model(family(**AUX), MeshContext(plan.layout, "cpu"))

@@ -11,6 +11,7 @@ import attrs
 from ..core.axes import MOE_AXES
 from ..core.errors import PlanError, Violation
 from ..core.layout import MeshLayout
+from ..core.model_config import ROUTER_AUX_KEY
 from ..core.options import converter, unstructure
 from ..core.values import Applied
 from ..plugins.builtin import default_registry
@@ -135,6 +136,7 @@ class Plan:
                 "one-loss", tuple(f"plugins.{n}" for n in losses),
                 f"{losses} each compute the step's loss (a 'loss' hook); a step has one loss",
                 hint=f"keep one of {', '.join(losses)}"))
+        bad += _router_aux_violations(model)
         for step in self.steps:
             plugin = self.registry.get(step.plugin)
             if plugin.model_check is not None:
@@ -247,3 +249,17 @@ class Plan:
 
 def _param_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()]
+
+
+def _router_aux_violations(model: nn.Module) -> list[Violation]:
+    """A load-balancing loss the model asks for that a step would not compute as the model
+    does (``runtime.router_aux_problem``), refused under every plan."""
+    from .runtime import router_aux_problem  # torch: the model is built
+
+    problem = router_aux_problem(model)
+    return [] if problem is None else [Violation(
+        "router-aux-loss", (ROUTER_AUX_KEY,),
+        f"output_router_logits = true asks for the MoE router's load-balancing loss, which "
+        f"a step adds itself: {problem}",
+        hint="set output_router_logits = false (or router_aux_loss_coef = 0) under "
+             "[model.config] to train without it")]

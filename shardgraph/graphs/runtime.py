@@ -32,6 +32,7 @@ Nothing here names a plugin: the hooks and values are declared, the axes are the
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -87,6 +88,34 @@ def router_aux_loss(counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     rank's share, from its own tokens' probabilities, sums to the micro-batch's loss."""
     rows = counts[-1].clamp_min(1)
     return probs.numel() * torch.sum(counts[:-1] / rows * (probs / rows))
+
+
+def router_aux_problem(model: nn.Module) -> str | None:
+    """Why a step cannot add the load-balancing loss ``model``'s config asks for as the model
+    computes it (None: it can, or none is asked for): its family's own
+    ``load_balancing_loss_func`` (transformers' modeling module of the class) must give what
+    ``router_aux_loss`` gives, checked on random router logits, since a step adds the loss in
+    shares (Switch Transformer's, which 31 families share; Doge's and a few more differ)."""
+    config = getattr(model, "config", None)
+    if not router_aux_loss_coef(config):
+        return None
+    name = type(model).__name__
+    own = next((f for cls in type(model).__mro__ if (f := getattr(
+        sys.modules.get(cls.__module__), "load_balancing_loss_func", None)) is not None), None)
+    top_k = getattr(text_config(config), "num_experts_per_tok", None)
+    if own is None or not isinstance(top_k, int):
+        return (f"{name} has no transformers load_balancing_loss_func beside it"
+                if own is None else "config.num_experts_per_tok is not one integer")
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(16, top_k + 3, generator=g) for _ in range(2))
+    try:
+        want = own(logits, top_k + 3, top_k)
+        same = torch.allclose(torch.as_tensor(want), router_aux_loss(
+            *router_balance(logits, top_k)), rtol=1e-5, atol=0)
+    except Exception:  # noqa: BLE001 - another signature is another loss: reported, not raised
+        same = False
+    return None if same else (f"{name}'s load_balancing_loss_func is not Switch Transformer's "
+                              "loss over the router's top-k choices, which a step computes")
 
 
 @contextlib.contextmanager
