@@ -89,6 +89,60 @@ def test_a_step_trains_on_the_models_own_loss_with_labels(family, micro):
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
 
 
+def test_the_weight_is_the_one_the_model_adds_the_loss_with():
+    """transformers' MoE models keep the weight they were built with (DBRX's from another key,
+    JetMoe's under another name): the step uses the model's, as its own loss does."""
+    model = tiny_qwen3_moe(**AUX)
+    model.router_aux_loss_coef = 0.25
+    tokens = batch(2)
+    want = copy.deepcopy(model)(input_ids=tokens, labels=tokens).loss.item()
+    parallel = _one_process(model)
+    assert parallel.router_aux_coef == 0.25
+    assert parallel.step(tokens, None).loss == pytest.approx(want, abs=1e-6)
+
+
+def _dbrx():
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    return DbrxForCausalLM(DbrxConfig(
+        vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=32,
+        attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2,
+                    "moe_loss_weight": 0.3}, output_router_logits=True))
+
+
+def _jetmoe():
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    return JetMoeForCausalLM(JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, aux_loss_coef=0.3,
+        output_router_logits=True))
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.3, output_router_logits=True,
+        layer_types=["full_attention"] * 2))
+
+
+@pytest.mark.parametrize("build", [_dbrx, _jetmoe, _gpt_oss], ids=["dbrx", "jetmoe", "gpt_oss"])
+def test_families_with_their_own_keys_train_on_their_own_loss(build):
+    """DBRX's weight and top-k come from ffn_config, JetMoe's weight is aux_loss_coef: the step
+    reads what the model passes to its own loss."""
+    torch.manual_seed(0)
+    model = build()
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    want = copy.deepcopy(model)(input_ids=tokens, labels=tokens).loss.item()
+    parallel = _one_process(model)
+    assert parallel.router_aux_coef == 0.3
+    assert parallel.step(tokens, None).loss == pytest.approx(want, abs=1e-6)
+
+
 def test_without_the_config_flag_no_aux_loss_is_added():
     model = tiny_qwen3_moe(router_aux_loss_coef=0.5)  # output_router_logits left False
     tokens = batch(2)

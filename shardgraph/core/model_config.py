@@ -97,11 +97,18 @@ def name_layers(layers: list[int], most: int = 6) -> str:
 ROUTER_AUX_KEY = "model.config.output_router_logits"
 
 
-def router_aux_loss_coef(config) -> float:
-    """The weight of the router's load-balancing loss that a transformers MoE model asks for:
-    ``router_aux_loss_coef`` where ``output_router_logits`` is set (the model then adds
-    ``router_aux_loss_coef * aux_loss`` to a loss it computes itself), else 0."""
-    config = text_config(config)
+def router_aux_loss_coef(model) -> float:
+    """The weight of the router's load-balancing loss that a transformers MoE model asks for,
+    where its config sets ``output_router_logits`` (the model then adds ``weight * aux_loss``
+    to a loss it computes itself), else 0: the weight the model adds it with, its own
+    ``router_aux_loss_coef`` (set from its config when built: DBRX's from
+    ``ffn_config.moe_loss_weight``; JetMoe's is ``aux_loss_coef``), else the config's."""
+    config = text_config(getattr(model, "config", None))
     if not getattr(config, "output_router_logits", False):
         return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    for owner, name in ((model, "router_aux_loss_coef"), (model, "aux_loss_coef"),
+                        (config, "router_aux_loss_coef")):
+        value = getattr(owner, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return 0.0

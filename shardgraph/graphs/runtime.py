@@ -90,22 +90,31 @@ def router_aux_loss(counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return probs.numel() * torch.sum(counts[:-1] / rows * (probs / rows))
 
 
+def router_top_k(model: nn.Module) -> int | None:
+    """The experts each token is routed to, as the model passes it to its loss: its own
+    ``num_experts_per_tok`` (DBRX's from ``ffn_config.moe_top_k``), else its config's."""
+    for owner in (model, text_config(getattr(model, "config", None))):
+        value = getattr(owner, "num_experts_per_tok", None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
 def router_aux_problem(model: nn.Module) -> str | None:
     """Why a step cannot add the load-balancing loss ``model``'s config asks for as the model
     computes it (None: it can, or none is asked for): its family's own
     ``load_balancing_loss_func`` (transformers' modeling module of the class) must give what
     ``router_aux_loss`` gives, checked on random router logits, since a step adds the loss in
     shares (Switch Transformer's, which 31 families share; Doge's and a few more differ)."""
-    config = getattr(model, "config", None)
-    if not router_aux_loss_coef(config):
+    if not router_aux_loss_coef(model):
         return None
     name = type(model).__name__
     own = next((f for cls in type(model).__mro__ if (f := getattr(
         sys.modules.get(cls.__module__), "load_balancing_loss_func", None)) is not None), None)
-    top_k = getattr(text_config(config), "num_experts_per_tok", None)
+    top_k = router_top_k(model)
     if own is None or not isinstance(top_k, int):
         return (f"{name} has no transformers load_balancing_loss_func beside it"
-                if own is None else "config.num_experts_per_tok is not one integer")
+                if own is None else "its num_experts_per_tok (nor its config's) is no integer")
     g = torch.Generator().manual_seed(0)
     logits = tuple(torch.randn(16, top_k + 3, generator=g) for _ in range(2))
     try:
@@ -151,12 +160,11 @@ class ParallelModel:
         self.plan, self.ctx, self.module, self.values = plan, ctx, module, dict(values)
         self._hook_cache: dict[str, list] = {}
         self._token_loss: TokenLoss | None = None
-        config = next((m.config for m in module.modules()
-                       if getattr(m, "config", None) is not None), None)
+        model = next((m for m in module.modules()  # (inside a wrapper: DDP's)
+                      if getattr(m, "config", None) is not None), None)
         #: the weight of the MoE router's load-balancing loss in a step's loss (0: none)
-        self.router_aux_coef = router_aux_loss_coef(config)
-        self._top_k = getattr(text_config(config), "num_experts_per_tok", None) \
-            if self.router_aux_coef else None
+        self.router_aux_coef = router_aux_loss_coef(model)
+        self._top_k = router_top_k(model) if self.router_aux_coef else None
         runners = [v for v in values.values() if isinstance(v, StepRunner)]
         self.runner: StepRunner | None = runners[0] if runners else None
 

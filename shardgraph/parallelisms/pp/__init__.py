@@ -276,7 +276,7 @@ def _model_check(model, options: PPOptions, ctx) -> list[Violation]:
 def _router_aux_violations(model) -> list[Violation]:
     """The router's load-balancing loss needs every MoE layer's router logits in one loss; a
     stage holds some layers and the schedule's loss reads the last stage's output only."""
-    coef = router_aux_loss_coef(getattr(model, "config", None))
+    coef = router_aux_loss_coef(model)
     if not coef:
         return []
     return [Violation(
