@@ -35,8 +35,9 @@ below it by up to lr. Measured beyond the faint elements: up to 2.6e-5, and 2.4e
 model, whose one-process float32 run is itself 2.2e-4 from float64's. And no warning reaches
 the user.
 Validation first (``ParallelModel.evaluate`` on the first batch, before any step) gives one
-process's first loss (its next-token part: evaluate adds no aux loss) within 1e-5 and leaves the parameters as it found them, under every layout
-but the compiled ones and zero bubble's (whose eval torch 2.13 does not run).
+process's first loss (its next-token part: evaluate adds no aux loss) within 1e-5 and leaves
+the parameters as it found them, under every layout but the compiled ones and zero bubble's
+(whose eval torch 2.13 does not run).
 """
 
 from __future__ import annotations

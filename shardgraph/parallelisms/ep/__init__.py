@@ -10,10 +10,11 @@ that strategy.
 
 ep composes with pp (the all-to-alls stay inside a stage's ranks: the MoE mesh's ep is inside
 pp) and with cp (each rank routes the tokens of its own chunk of every sequence); both train to
-one process's numbers (tests/test_same_numbers.py). The router stays dense, on each rank's own tokens:
-the load-balancing loss a config asks for (``output_router_logits``) is added by the step from
-each rank's ``router_logits``, as in one process (refused under pp, by pp). Not yet: ``wrap_outer_model = false`` is
-refused (fsdp2 always wraps the root), and tp (the MoE mesh has no room for it).
+one process's numbers (tests/test_same_numbers.py). The router stays dense, on each rank's own
+tokens: the load-balancing loss a config asks for (``output_router_logits``) is added by the
+step from each rank's ``router_logits``, as in one process (pp refuses it). Not yet:
+``wrap_outer_model = false`` is refused (fsdp2 always wraps the root), and tp (the MoE mesh has
+no room for it).
 """
 
 from __future__ import annotations
