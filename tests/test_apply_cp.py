@@ -384,3 +384,20 @@ def test_kv_gathers_count_each_layers_own_width():
     gather = next(r for r in rows if r["op"] == "all_gather")
     # K and V (2) x 4 tokens x cp 2 x 4 bytes, of widths 2 x 16 (layer 0) and 1 x 32 (layer 1)
     assert gather["bytes"] == 2 * 4 * 2 * 4 * (2 * 16 + 1 * 32)
+
+
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_the_exported_split_holds_the_tokens_shard_batch_keeps(load_balance):
+    """cp's ``ContextSplit`` (what a plugin counting a rank's tokens reads: chunked_loss's
+    labelled ones) names the positions ``shard_batch`` keeps on each rank."""
+    from shardgraph.core.values import ContextSplit
+    from shardgraph.parallelisms.cp._attention import token_index
+
+    plan = Graph().add("cp", size=2, load_balance=load_balance).add("fsdp2").compile(
+        world_size=2)
+    assert plan.exported()["context_parallel"] == ContextSplit(2, load_balance)
+    for cp, seq in ((2, 8), (4, 24)):
+        split = ContextSplit(cp, load_balance)
+        for rank in range(cp):
+            assert split.positions(seq, rank) == tuple(token_index(seq, cp, rank,
+                                                                   load_balance).tolist())

@@ -39,7 +39,9 @@ none; before the recompute's gathers were declared, phi3_tp_ac measured 26 tp al
 head handed its input on replicated to it), llama_tp_loss_parallel_chunked measured 38 tp
 all-reduces (81,232 B) and 4 all-gathers (16,384 B) against 26 all-reduces (82,304 B), and
 llama_tp_sp_chunked 25 all-reduces (8,784 B) against 5 (1,280 B) and 20 all-gathers and 18
-reduce-scatters against 22 and 20.
+reduce-scatters against 22 and 20; before chunked_loss read cp's split (``ContextSplit``: which
+positions a cp rank holds), llama_cp_tp_chunked declared 38 tp all-reduces (41,152 B) on the cp
+rank that holds the sequences' ends (no label there), where torch issues 32 (40,080 B).
 
 p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
 ``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
@@ -189,6 +191,12 @@ CASES[4]["qwen3_tp_sp_fsdp2_every_pass"] = ("qwen3", "[plugins.tp]\nsize = 2\n[p
                                                      "[plugins.fsdp2]\n"
                                                      "defer_fsdp_grad_sync = false\n")
 # pp with tp and sp, and with cp: the layers of each stage run once per microbatch
+# chunked_loss under cp (tp splits the head): 2 sequences of 4 tokens a rank and micro-batch in
+# chunks of 3; only cp rank 0, which holds the sequences' ends (load-balanced), lacks their
+# labels: 6 labelled tokens a micro-batch there, 8 on rank 1
+CASES[4]["llama_cp_tp_chunked"] = ("llama", "[plugins.cp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
+                                            "[plugins.fsdp2]\n[plugins.chunked_loss]\n"
+                                            "chunk_size = 3\n")
 CASES[4].update({
     "llama_pp_tp_sp": ("llama", "[plugins.pp]\nsize = 2\n[plugins.tp]\nsize = 2\n[plugins.sp]\n"),
     "llama_pp_cp": ("llama", "[plugins.pp]\nsize = 2\n[plugins.cp]\nsize = 2\n[plugins.fsdp2]\n"),

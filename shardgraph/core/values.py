@@ -171,6 +171,27 @@ class SequenceSharding:
 
 
 @attrs.frozen
+class ContextSplit:
+    """Capability ``context_parallel``: each sequence split over the ``size`` ranks of the cp
+    axis, load-balanced (rank ``r`` holds chunk ``r`` and its mirror ``2 size - 1 - r`` of
+    ``2 size`` chunks) or in ``size`` contiguous chunks. ``positions`` says which tokens a rank
+    holds, so a plugin that counts a rank's tokens (a loss's labelled ones: a sequence's last
+    token has no label) counts that rank's own."""
+
+    size: int
+    load_balance: bool = True
+
+    def positions(self, seq_len: int, rank: int) -> tuple[int, ...]:
+        """The global positions (``0 .. seq_len - 1``) of the tokens cp rank ``rank`` holds of
+        a sequence of ``seq_len``, in its local order."""
+        if not self.load_balance:
+            size = seq_len // self.size
+            return tuple(range(rank * size, (rank + 1) * size))
+        size, late = seq_len // (2 * self.size), 2 * self.size - 1 - rank
+        return (*range(rank * size, (rank + 1) * size), *range(late * size, (late + 1) * size))
+
+
+@attrs.frozen
 class Recomputation:
     """Capability ``activation_checkpointing``: whether a checkpointed region is recomputing.
 
@@ -344,6 +365,7 @@ CONTRACTS: dict[str, type] = {
     "fully_shard": ShardUnit,
     "tensor_parallel": TPLayout,
     "sequence_parallel": SequenceSharding,
+    "context_parallel": ContextSplit,
     "pipeline_parallel": StepRunner,
     "activation_checkpointing": Recomputation,
     "float8": Float8Training,
@@ -360,6 +382,7 @@ CONTRACT_NOUNS: dict[str, str] = {
     "fully_shard": "the unit sharding",
     "tensor_parallel": "the tensor-parallel layout",
     "sequence_parallel": "the sequence sharding",
+    "context_parallel": "the context split",
     "pipeline_parallel": "the pipeline stages",
     "activation_checkpointing": "the recomputation regions",
     "float8": "the float8 linears",

@@ -18,7 +18,8 @@ the loss another way (a fused GPU kernel) declares the same ``loss`` hook. The s
 
 Its collectives (the dry run's rows): over the axis that splits the head's vocabulary (tp's, read
 from ``TPLayout``), each chunk's forward all-reduces three values per token (the largest logit,
-the sum of exponentials, the label's logit), and each backward the hidden states' gradient once.
+the sum of exponentials, the label's logit), and each backward the hidden states' gradient once,
+for the labelled tokens the rank holds (under cp, cp's ``ContextSplit`` says which).
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ...core.axes import Axis
 from ...core.blocks import output_embeddings
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
 from ...core.model_config import read_layer_values
-from ...core.values import BatchShape, HeadInputLoss, TPLayout, collective
+from ...core.values import BatchShape, ContextSplit, HeadInputLoss, TPLayout, collective
 from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -138,15 +140,12 @@ def _export(options: ChunkedLossOptions, layout, inputs: dict[str, Any]) -> dict
 def _collectives(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
                  inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
     """The kernel's reductions over tp where tp splits the head's vocabulary (none elsewhere, nor
-    on a pipeline rank without the head), for each forward's labelled tokens: a sequence's last
-    token has no label (shifted out). Under cp only the rank that holds the sequences' ends
-    lacks those labels; every token a rank holds is counted there, one a sequence too many on
-    that rank (not compared with torch's count)."""
+    on a pipeline rank without the head), for each forward's labelled tokens (``_labelled``)."""
     layout: TPLayout | None = inputs.get("tensor_parallel")
     if layout is None or layout.head not in layout.colwise() or output_embeddings(model) is None:
         return []
     sequences = batch.local_batch // batch.forwards
-    labelled = sequences * (batch.seq_len - (1 if ctx.cp_size == 1 else 0))
+    labelled = sequences * _labelled(batch.seq_len, inputs.get("context_parallel"), ctx)
     chunks = math.ceil(labelled / options.chunk_size)
     passes = batch.forwards
     fp32 = 4  # the kernel reduces the logits' maxima and sums in fp32, whatever the params'
@@ -156,6 +155,18 @@ def _collectives(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext
             + collective("all_reduce", "tp", passes,
                          labelled * batch.hidden * batch.act_bytes * passes,
                          "chunked loss: the LM head's input gradient (backward)"))
+
+
+def _labelled(seq_len: int, split: ContextSplit | None, ctx: MeshContext) -> int:
+    """The labelled tokens of a sequence on this rank (``seq_len`` of them held): all but the
+    sequence's last, whose label is shifted out. Under cp only the rank that holds that last
+    position (``ContextSplit.positions``: the first, where the split is load-balanced) lacks
+    it."""
+    if split is None:
+        return seq_len - 1
+    whole = seq_len * split.size
+    held = split.positions(whole, ctx.mesh(Axis.CP).get_local_rank())
+    return len(held) - (whole - 1 in held)
 
 
 def _cost(options: ChunkedLossOptions, layout) -> Cost:
@@ -172,9 +183,10 @@ PLUGIN = Plugin(
     kind=Kind.POLICY,
     options=ChunkedLossOptions,
     provides={"chunked_loss"},
-    # the strategy's settings: gather the head's weight for the loss; tp's layout: only to
-    # count the kernel's reductions over the axis that splits the head's vocabulary
-    reads={"fully_shard", "tensor_parallel"},
+    # the strategy's settings: gather the head's weight for the loss; tp's layout and cp's
+    # split: only to count the kernel's reductions (over the axis that splits the head's
+    # vocabulary, for the labelled tokens this rank holds)
+    reads={"fully_shard", "tensor_parallel", "context_parallel"},
     export=_export,
     collectives=_collectives,
     before={"data_parallel"},

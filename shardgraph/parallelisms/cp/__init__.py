@@ -36,7 +36,7 @@ from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
 from ...core.model_config import layer_key, name_layers, read_layer_values, text_config, value_at
-from ...core.values import BatchShape, collective
+from ...core.values import BatchShape, ContextSplit, collective
 from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -282,6 +282,10 @@ def _prepare_batch(batch: dict[str, Any], options: CPOptions, ctx: MeshContext,
     return shard_batch(batch, ctx.mesh(Axis.CP), options.load_balance)
 
 
+def _export(options: CPOptions, layout, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"context_parallel": ContextSplit(options.size, options.load_balance)}
+
+
 def _collectives(model: nn.Module, options: CPOptions, ctx: MeshContext, inputs: dict[str, Any],
                  batch: BatchShape) -> list[dict[str, Any]]:
     """Each attention layer all-gathers K and V over cp in forward (again where a checkpointed
@@ -350,6 +354,7 @@ PLUGIN = Plugin(
     model_check=_model_check,
     apply=_apply,
     prepare_batch=_prepare_batch,
+    export=_export,
     collectives=_collectives,
     reads={"activation_checkpointing"},  # only to count the gathers a recompute runs again
     doc="context parallelism: sequence-sharded attention over the cp axis",
