@@ -60,7 +60,12 @@ declared, 12 issued; LoRA's frozen root: 3 reduce-scatters of 205,312 B declared
 issued; a vocabulary of 129 at world 2: rank 1 declared its own shorter shards, 1,327,616 B of
 all-gathers, where both ranks gather 1,329,664 B). ddp's: 4 all-reduces declared (the bytes
 over the bucket size, rounded up), 3 issued (buckets close once full), and its buffers'
-broadcast (64 B) undeclared."""
+broadcast (64 B) undeclared. Before fsdp2 followed a pipeline schedule's order
+(``StepRunner.actions``, read from torch's schedule tables), units resharded after forward under
+pp 2 x dp 2 were declared gathered in one forward and one backward: 3 all-gathers a rank
+(332,288 B on ranks 0 and 1) where torch issues 6 (780,800 B) at 1F1B
+(llama_pp_fsdp2_resharded), 5 (624,640 B) where it issues 11 (1,512,448 B) interleaved
+(llama4_pp_interleaved_fsdp2_resharded)."""
 
 from __future__ import annotations
 
@@ -213,6 +218,15 @@ CASES[2].update({
 CASES[4].update({
     "llama_tp_fsdp2": ("llama_odd_mlp", "[plugins.tp]\nsize = 2\n[plugins.fsdp2]\n"),
     "llama_pp_fsdp2": ("llama_odd", "[plugins.pp]\nsize = 2\n[plugins.fsdp2]\n"),
+    # resharded after forward under a pipeline: gathered again whenever the schedule's order
+    # finds a unit freed (1F1B: a block 5 times over 4 microbatches on either rank; interleaved
+    # 1F1B, whose runtime also gathers and frees whole stages: 5 times each of two)
+    "llama_pp_fsdp2_resharded": ("llama_odd", "[plugins.pp]\nsize = 2\n[plugins.fsdp2]\n"
+                                              "reshard_after_forward = true\n"),
+    "llama4_pp_interleaved_fsdp2_resharded": ("llama4", "[plugins.pp]\nsize = 2\n"
+                                                        "schedule = 'interleaved_1f1b'\n"
+                                                        "[plugins.fsdp2]\n"
+                                                        "reshard_after_forward = true\n"),
     "llama_hsdp": ("llama_odd", "[plugins.fsdp2]\n[plugins.hsdp]\nsize = 2\n"),
 })
 # ddp: its buckets (0.1 MiB: three of the 365,312 gradient bytes) and the rotary tables it

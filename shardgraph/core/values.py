@@ -222,10 +222,24 @@ class Applied:
     values: dict[str, Any] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class StageAction:
+    """One action of a pipeline rank's step (``StepRunner.actions``), on its stage ``part`` (an
+    index into ``parts()``). ``kind``: ``forward``, ``backward`` (whole), ``backward_input``
+    and ``backward_weight`` (a split backward's two passes) of one micro-batch; ``unshard``
+    and ``reshard``, where the runtime itself gathers the stage's sharded parameters before
+    its turn and frees them after; ``reduce_grads`` after the stage's last backward (the
+    strategy reduces its gradients and frees the parameters it kept through the backwards)."""
+
+    kind: str
+    part: int
+
+
 @runtime_checkable
 class StepRunner(Protocol):
     """Capability ``pipeline_parallel``: a value that runs forward and backward over
-    micro-batches itself (pp's schedule). These four methods are all the runtime calls.
+    micro-batches itself (pp's schedule). The runtime calls its methods but ``actions`` (the
+    order of a step), which is for the plugins that count what a step issues.
 
     ``run(inputs, labels, loss_fn, **kwargs) -> loss`` gets this rank's whole local batch (input
     ids and labels already shifted, as ``prepare_batch`` left them; ``kwargs``: the other
@@ -254,6 +268,12 @@ class StepRunner(Protocol):
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """As ``run``, forward only (called under ``torch.no_grad``): no gradient is touched;
         the sum of ``loss_fn``'s values, the same on every rank of the pipeline."""
+        ...
+
+    def actions(self, n_microbatches: int) -> list[StageAction] | None:
+        """This rank's actions in a step of ``n_microbatches``, in the order it runs them (the
+        order decides how often a strategy that frees parameters after forward gathers them
+        again); None where the order is not known."""
         ...
 
     def reduce_grads(self) -> None:

@@ -16,6 +16,7 @@ from ..core.values import (
     BatchShape,
     PrecisionPolicy,
     ShardUnit,
+    StageAction,
     StepRunner,
     collective,
 )
@@ -120,9 +121,10 @@ def _export(options: FSDP2Options, layout, inputs: dict[str, Any]) -> dict[str, 
 def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
                  inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
     """Every unit's all-gather in each forward (and again in backward where it reshards after
-    forward), and its gradients' reduce-scatter once per gradient sync (``BatchShape.grad_syncs``:
-    on the last micro-batch only with ``defer_fsdp_grad_sync``, else in every backward), over the
-    unit's own shard axis (``dp_shard_cp``; ``dp_shard`` under hsdp, which then all-reduces the
+    forward; under a pipeline, as often as the schedule's order finds it sharded:
+    ``_stage_gathers``), and its gradients' reduce-scatter once per gradient sync
+    (``BatchShape.grad_syncs``: on the last micro-batch only with ``defer_fsdp_grad_sync``, else
+    in every backward), over the unit's own shard axis (``dp_shard_cp``; ``dp_shard`` under hsdp, which then all-reduces the
     reduced shard over ``dp_replicate``; ep's experts: ``ep_shard``). A unit over one rank
     issues none. Bytes are torch's buffers: every rank's shard padded to the largest one (dim 0
     rounded up to a multiple of the axis's size), so the same on every rank."""
@@ -130,8 +132,11 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
 
     # a pipeline's stages are roots of their own, outside the model (_apply)
     pipeline = inputs.get("pipeline_parallel")
-    roots = [model, *(pipeline.parts() if isinstance(pipeline, StepRunner) else [])]
+    parts = pipeline.parts() if isinstance(pipeline, StepRunner) else []
+    roots = [model, *parts]
     units = {id(m): m for root in roots for m in root.modules() if isinstance(m, FSDPModule)}
+    part_of = {id(m): i for i, part in enumerate(parts) for m in part.modules()}
+    actions = pipeline.actions(batch.forwards) if parts else None
     rows: dict[tuple[str, str], list[int]] = {}
     for unit in units.values():
         # no public accessor for a unit's parameters, mesh and policy
@@ -143,11 +148,11 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
         trained = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
         reduced = _padded_bytes(trained, size, mp.reduce_dtype or mp.param_dtype)
         if size > 1:
-            # A pipeline's stage keeps its units gathered from its first microbatch's forward
-            # to its last backward: once a step, the schedule's one pass. Resharded after
-            # forward (not the default under pp) they gather again as often as the schedule's
-            # order finds them sharded, which these rows do not count.
-            gathers = batch.micro_batches * (2 if group.post_forward_mesh_info is not None else 1)
+            resharded = group.post_forward_mesh_info is not None
+            if actions is not None and id(unit) in part_of:
+                gathers = _stage_gathers(actions, part_of[id(unit)], resharded)
+            else:
+                gathers = batch.micro_batches * (2 if resharded else 1)
             _add(rows, "all_gather", names[info.shard_mesh_dim], gathers,
                  gathers * _padded_bytes(group.fsdp_params, size, mp.param_dtype))
             if trained:
@@ -163,6 +168,26 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
             "all_reduce": "HSDP gradient shards across replicas"}
     return [row for (op, group), (count, nbytes) in rows.items()
             for row in collective(op, group, count, nbytes, what[op])]
+
+
+def _stage_gathers(actions: list[StageAction], part: int, resharded: bool) -> int:
+    """How often a step gathers a unit of pipeline stage ``part``, following the schedule's
+    ``actions`` on it: whenever a pass (or the runtime's ``unshard``) finds it sharded. torch's
+    stages keep every unit gathered after a backward until the stage's gradient reduction
+    (``set_reshard_after_backward(False)``), and a looped runtime frees whole stages
+    (``reshard``); a unit resharded after forward (not the default under pp) is freed after each
+    forward too, so a stage's forwards and backwards in turn (1F1B) gather it again and
+    again. Without resharding: once, unless the runtime frees the stage between its turns."""
+    gathered, count = False, 0
+    for action in actions:
+        if action.part != part:
+            continue
+        if action.kind in ("reshard", "reduce_grads"):
+            gathered = False
+            continue
+        count += not gathered
+        gathered = not (action.kind == "forward" and resharded)
+    return count
 
 
 def _padded_bytes(params: list, size: int, dtype) -> int:

@@ -17,6 +17,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
 from ...core.errors import PlanError, Violation
+from ...core.values import StageAction
 from ._split import placement, tag_stage
 
 
@@ -150,6 +151,14 @@ class Pipeline:
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
+        schedule = self._build(n_microbatches, scale_grads)
+        self._schedules[key] = schedule
+        self.built += 1
+        while len(self._schedules) > self.KEEP:
+            self._schedules.popitem(last=False)
+        return schedule
+
+    def _build(self, n_microbatches: int, scale_grads: bool):
         group = self.pp_group
         stages = [
             PipelineStage(part, stage_index=s, num_stages=self.n_stages,
@@ -160,14 +169,28 @@ class Pipeline:
         common = dict(n_microbatches=n_microbatches, loss_fn=self._call_loss,
                       scale_grads=scale_grads)
         if self.schedule_spec.stages_per_rank == 1:
-            schedule = cls(stages[0], **common)
-        else:
-            schedule = cls(stages, **common)
-        self._schedules[key] = schedule
-        self.built += 1
-        while len(self._schedules) > self.KEEP:
-            self._schedules.popitem(last=False)
-        return schedule
+            return cls(stages[0], **common)
+        return cls(stages, **common)
+
+    def actions(self, n_microbatches: int) -> list[StageAction] | None:
+        """This rank's actions in a step of ``n_microbatches`` (``StepRunner.actions``), read
+        from torch's own tables of a schedule built for it (not kept; its stages run nothing):
+        a looped schedule runs its lowered table (``pipeline_order_with_comms``: the runtime's
+        unshard and reshard of whole stages, at most 3 gathered at once, and each stage's
+        gradient reduction after its last backward), a single-stage one its loop, whose order
+        its table (``pipeline_order``) gives. None where the schedule has no table."""
+        schedule = self._build(n_microbatches, scale_grads=False)
+        table = getattr(schedule, "pipeline_order_with_comms", None) or schedule.pipeline_order
+        if table is None:
+            return None
+        local = {s: i for i, s in enumerate(self.stage_ids)}
+        out = []
+        for action in table[dist.get_rank(self.pp_group)]:  # no idle steps: they are dropped
+            for a in action.sub_actions or (action,):  # an overlapped forward and backward: both
+                kind = _KINDS.get(a.computation_type)
+                if kind is not None:
+                    out.append(StageAction(kind, local[a.stage_index]))
+        return out
 
     def _call_loss(self, output, target):
         try:
@@ -237,6 +260,18 @@ class Pipeline:
 
     def _last_stage_rank(self) -> int:
         return placement(self.n_stages, self._ctx.pp_size, self.schedule_spec.v_shape)[-1]
+
+
+#: torch's schedule actions -> ``StageAction.kind`` (its sends and receives are pp's own rows)
+_KINDS = {
+    torch_schedules._ComputationType.FORWARD: "forward",
+    torch_schedules._ComputationType.FULL_BACKWARD: "backward",
+    torch_schedules._ComputationType.BACKWARD_INPUT: "backward_input",
+    torch_schedules._ComputationType.BACKWARD_WEIGHT: "backward_weight",
+    torch_schedules._ComputationType.UNSHARD: "unshard",
+    torch_schedules._ComputationType.RESHARD: "reshard",
+    torch_schedules._ComputationType.REDUCE_GRAD: "reduce_grads",
+}
 
 
 class _FailureWatch:
