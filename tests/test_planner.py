@@ -575,13 +575,22 @@ def test_a_chunked_loss_computes_the_heads_logits_once_more():
 @pytest.mark.parametrize("train,plan", [
     ("micro_batch_size = 2\n", "[plugins.fsdp2]\n"),
     ("micro_batch_size = 2\n", "[plugins.fsdp2]\nreshard_after_forward = false\n"),
-    ("", "[plugins.fsdp2]\n[plugins.pp]\nsize = 2\nmicrobatch_size = 2\n")])
+    ("", "[plugins.fsdp2]\n[plugins.pp]\nsize = 2\nmicrobatch_size = 2\n"),
+    ("", "[plugins.fsdp2]\nreshard_after_forward = true\n[plugins.pp]\nsize = 2\n"
+         "microbatch_size = 2\n"),
+    ("", "[plugins.fsdp2]\nreshard_after_forward = true\n[plugins.pp]\nsize = 2\n"
+         "microbatch_size = 2\nschedule = 'interleaved_1f1b'\n")])
 def test_the_strategys_gathers_are_the_dry_runs(train, plan):
     """The all-gathers the planner prices for fsdp2 on a rank (how many, how large) are the dry
     run's rows (which h29's counted test holds equal to torch's): the root (embedding, final
     norm, head) gathered once a micro-batch, resharded after forward or not (torch's root
     default); priced as a block before, 16 gathers and 6,990,336 bytes where torch issues 14
-    and 5,416,704 (two micro-batches, resharded). Under pp, a stage's units alike."""
+    and 5,416,704 (two micro-batches, resharded). Under pp, a stage's units alike, but resharded
+    after forward, where a stage's blocks are gathered again by the pass after each forward
+    (4 micro-batches: 5 times) and its root, only where it holds the embedding, final norm or
+    head, once: priced ``stage_gathers + n_micro`` each before, 15 gathers (5,168,640 B) on rank
+    0 (1F1B: two blocks and the embedding's root; interleaved: a block in each of two stages,
+    one with the embedding) where the dry run and torch count 11 (3,595,776 B)."""
     from shardgraph.planner.cost import strategy_gathers
     from shardgraph.planner.memory import microbatches, stage_layers
     from shardgraph.planner.shape import model_shape

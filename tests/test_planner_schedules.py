@@ -211,8 +211,12 @@ def test_the_planners_order_and_gathers_are_torchs(schedule, pp, n, per_rank):
     """``_looped_order`` is the order of torch's action table on every rank (a whole
     backward's looped schedules), and ``stage_gathers`` counts the ``UNSHARD`` actions torch's
     runtime adds to it for fsdp: once a stage with up to three a rank, more often with more
-    (each stage's parameters gathered again when its turn comes back)."""
+    (each stage's parameters gathered again when its turn comes back); resharded after forward,
+    the gathers the dry run counts on torch's lowered table (``StepRunner.actions``)."""
+    from shardgraph.core.values import StageAction
+    from shardgraph.parallelisms.pp._runner import _KINDS
     from shardgraph.planner.memory import _looped_order, stage_gathers
+    from shardgraph.strategies.fsdp2 import _stage_gathers
 
     view, _ = _view(schedule, pp, n, 1.0)
     v = per_rank
@@ -226,9 +230,16 @@ def test_the_planners_order_and_gathers_are_torchs(schedule, pp, n, per_rank):
         torchs = tuple((a.computation_type == C.FORWARD, (a.stage_index - rank) // pp)
                        for a in ops)
         assert _looped_order(n, v, inflight(view, n, v, rank), rounds) == torchs, rank
-        unshards = sum(a.computation_type == C.UNSHARD for a in S._add_unshard_reshard(ops))
+        lowered = S._add_unshard_reshard(ops)
+        unshards = sum(a.computation_type == C.UNSHARD for a in lowered)
         assert stage_gathers(view, n, v, rank) == pytest.approx(unshards / v), rank
         assert (unshards == v) == (v <= 3 or n == 1)
+        # resharded after forward: as the dry run counts them on the same table (fsdp2's rows,
+        # held equal to torch's in test_collectives_counted.py)
+        actions = [StageAction(_KINDS[a.computation_type], (a.stage_index - rank) // pp)
+                   for a in lowered if a.computation_type in _KINDS]
+        resharded = sum(_stage_gathers(actions, c, True) for c in range(v)) / v
+        assert stage_gathers(view, n, v, rank, resharded=True) == pytest.approx(resharded), rank
 
 
 def test_stages_gathered_again_are_priced_in_fsdps_all_gathers(monkeypatch):

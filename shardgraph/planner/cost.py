@@ -53,8 +53,8 @@ from typing import Any
 import attrs
 
 from .gpus import GPU, SAME_DIE
-from .memory import (EXTRAS, Held, held_numel, kv_width, microbatches, stage_gathers, stage_layers,
-                     state_numel, trainable_share)
+from .memory import (EXTRAS, Held, held_numel, kv_width, microbatches, stage_gathers,
+                     stage_holdings, stage_layers, state_numel, trainable_share)
 from .shape import ModelShape, layer_kind, weight_groups
 from .view import PlanView, Setup
 
@@ -402,30 +402,38 @@ def strategy_gathers(shape: ModelShape, v: PlanView, held, n_micro: int, n_chunk
 
     Blocks gather once per micro-batch's forward and, resharded after it, again in its
     backward; the root is not resharded after forward (torch's default for it: backward would
-    gather it again at once), so once per micro-batch. Under torch's pipeline stages none after
-    the first forward unless resharded after forward: they keep the parameters through every
-    micro-batch's backward (``set_reshard_after_backward(False)`` but on the last), but for the
-    stages gathered again past the runtime's limit of gathered stages (``stage_gathers``); there
-    every unit is priced alike. Whole parameters (a flat buffer below ZeRO 3) are gathered once
-    a step, after the optimizer (below ZeRO 1, the second half of the gradients' all-reduce).
-    The first pair is the blocks' (together), the second the root's. ``tests/test_planner.py``
-    checks them against the dry run's rows."""
+    gather it again at once), so once per micro-batch. Under torch's pipeline stages each
+    stage is a root of its own (gathered where it holds the embedding, the final norm or the
+    head), and none is gathered again after the first forward unless resharded after forward:
+    they keep the parameters through every micro-batch's backward
+    (``set_reshard_after_backward(False)`` but on the last), but for the stages gathered again
+    past the runtime's limit of gathered stages; resharded blocks are gathered again by the pass
+    after each forward (``stage_gathers``). Whole parameters (a flat buffer below ZeRO 3) are
+    gathered once a step, after the optimizer (below ZeRO 1, the second half of the gradients'
+    all-reduce). The first pair is the blocks' (together), the second the root's.
+    ``tests/test_planner.py`` checks them against the dry run's rows."""
     unsharded = held_numel(shape, held, v, False if v.ep > 1 else None, unsharded=True)
     blocks = max(held.layers, 1)
+    roots = 1
     if v.strategy == "sharded" and v.shards < 3:
         gathers = root = 1
+    elif v.pp > 1 and v.strategy == "fully_shard":
+        gathers = stage_gathers(v, n_micro, n_chunks, worst, v.reshard_after_forward)
+        roots = sum(any(k in EXTRAS for k, _ in stage.kinds)
+                    for stage in stage_holdings(shape, v)[worst])
+        root = roots * stage_gathers(v, n_micro, n_chunks, worst)
     elif v.pp > 1:
-        gathers = root = stage_gathers(v, n_micro, n_chunks, worst) + (
-            n_micro if v.reshard_after_forward else 0)
+        gathers = root = stage_gathers(v, n_micro, n_chunks, worst, v.reshard_after_forward)
     else:
         gathers = n_micro * (2 if v.reshard_after_forward else 1)
         root = n_micro if v.strategy == "fully_shard" else gathers
-    if v.pp > 1 or v.strategy != "fully_shard":
+    if v.strategy != "fully_shard":
         each = unsharded / (blocks + 1)
         return [(gathers * blocks, each), (root, each)]
     root_numel = held_numel(shape, Held(tuple(kn for kn in held.kinds if kn[0] in EXTRAS)), v,
                             False if v.ep > 1 else None, unsharded=True)
-    return [(gathers * blocks, (unsharded - root_numel) / blocks), (root, root_numel)]
+    return [(gathers * blocks, (unsharded - root_numel) / blocks),
+            (root, root_numel / max(roots, 1))]
 
 
 def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,

@@ -450,19 +450,45 @@ def _backward_spans(n_micro: int, chunks: int, rounds: int) -> tuple[list[int], 
 ACTIVE_STAGES = 3
 
 
-def stage_gathers(v: PlanView, n_micro: int, chunks: int, rank: int = 0) -> float:
-    """How many times a step gathers each of pp rank ``rank``'s stages, on average: once, but
-    where torch's runtime keeps at most ``ACTIVE_STAGES`` of them gathered (more stages a
-    rank, parameters not resharded after forward) and gathers the others again when their
-    turn comes. A split backward's order is not followed: once (under)."""
+def stage_gathers(v: PlanView, n_micro: int, chunks: int, rank: int = 0,
+                  resharded: bool = False) -> float:
+    """How many times a step gathers each unit of pp rank ``rank``'s stages, on average: once,
+    but where torch's runtime keeps at most ``ACTIVE_STAGES`` of them gathered (more stages a
+    rank) and gathers the others again when their turn comes. A unit ``resharded`` after
+    forward is gathered again by whichever pass follows each of its forwards (a backward keeps
+    it gathered until the stage's gradient reduction): ``n_micro + 1`` times but for the
+    runtime's releases (``_resharded_gathers``). A split backward's order is not followed: once
+    (under), ``n_micro + 1`` resharded."""
     pipe = v.pipeline
-    if (v.pp <= 1 or chunks <= ACTIVE_STAGES or pipe is None or pipe.v_shape
-            or pipe.split_backward or not pipe.reduce_after_backward
-            or v.strategy != "fully_shard" or v.reshard_after_forward):
+    if (v.pp <= 1 or pipe is None or pipe.v_shape or pipe.split_backward
+            or not pipe.reduce_after_backward or v.strategy != "fully_shard"):
+        return 1.0 + (n_micro if resharded else 0)
+    if chunks <= ACTIVE_STAGES and not resharded:
         return 1.0
     order = _looped_order(n_micro, chunks, inflight(v, n_micro, chunks, rank),
                           _rounds(v, n_micro))
-    return sum(_lowered(order, chunks)[1]) / chunks
+    counts = _resharded_gathers(order, chunks) if resharded else _lowered(order, chunks)[1]
+    return sum(counts) / chunks
+
+
+@functools.lru_cache(maxsize=256)
+def _resharded_gathers(order: tuple[tuple[bool, int], ...], chunks: int) -> tuple[int, ...]:
+    """How many times each stage's units resharded after forward are gathered over ``order``
+    as torch's runtime lowers it (``_lowered``): whenever the runtime gathers the stage, or a
+    pass runs it, while they are sharded. A forward frees them after it, a backward keeps them
+    (torch's stages reshard after the gradient reduction only), a release frees them."""
+    gathered, counts = [False] * chunks, [0] * chunks
+    before: frozenset[int] = frozenset()
+    for (forward, c), active in zip(order, _lowered(order, chunks)[0]):
+        for s in before - active:
+            gathered[s] = False
+        for s in sorted(active - before):
+            counts[s] += not gathered[s]
+            gathered[s] = True
+        counts[c] += not gathered[c]
+        gathered[c] = not forward
+        before = active
+    return tuple(counts)
 
 
 @functools.lru_cache(maxsize=256)
