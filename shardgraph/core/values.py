@@ -239,7 +239,7 @@ class StageAction:
 class StepRunner(Protocol):
     """Capability ``pipeline_parallel``: a value that runs forward and backward over
     micro-batches itself (pp's schedule). The runtime calls its methods but ``actions`` (the
-    order of a step), which is for the plugins that count what a step issues.
+    order of a step) and ``idle``, which are for the plugins that count what a step issues.
 
     ``run(inputs, labels, loss_fn, **kwargs) -> loss`` gets this rank's whole local batch (input
     ids and labels already shifted, as ``prepare_batch`` left them; ``kwargs``: the other
@@ -268,6 +268,11 @@ class StepRunner(Protocol):
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """As ``run``, forward only (called under ``torch.no_grad``): no gradient is touched;
         the sum of ``loss_fn``'s values, the same on every rank of the pipeline."""
+        ...
+
+    def idle(self) -> list[nn.Module]:
+        """Modules it holds but never runs, kept for their weights alone (the last stage's copy
+        of an input embedding tied to its head): their forward issues nothing."""
         ...
 
     def actions(self, n_microbatches: int) -> list[StageAction] | None:

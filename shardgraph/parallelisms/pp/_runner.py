@@ -127,6 +127,11 @@ class Pipeline:
         """This rank's stage modules: what a step runs, each a root of its own."""
         return list(self.stages)
 
+    def idle(self) -> list[nn.Module]:
+        """The tied first-stage modules the last stage's rank keeps for the weight its head
+        shares, never called there (``StepRunner.idle``)."""
+        return [module for stage in self.stages for module in stage.idle]
+
     def reduce_grads(self) -> None:
         """Complete the gradients after the last ``run`` of a step: a weight tied across the
         first and last stage gets the sum of both stages' gradients on both ranks."""

@@ -303,6 +303,8 @@ class Stage(nn.Module):
             # never called here: a child only so that a wrap of the stage (fully_shard) sees
             # both modules holding the shared weight and keeps them sharing it
             self.add_module("tied_" + name.replace(".", "_"), module)
+        #: the modules held for their weights alone (``StepRunner.idle``)
+        self.idle = [module for _, module in tied]
 
     def forward(self, x, **kwargs):
         try:

@@ -342,7 +342,8 @@ PLUGIN = Plugin(
     collectives=_collectives,
     # sequence_parallel, activation_checkpointing: only to count its collectives as sp lays
     # them out and as a checkpointed block runs them again; chunked_loss: the head hands its
-    # input on to a loss hook
-    reads={"sequence_parallel", "low_rank_adapters", "activation_checkpointing", "chunked_loss"},
+    # input on to a loss hook; pipeline_parallel: the modules a pipeline holds but never runs
+    reads={"sequence_parallel", "low_rank_adapters", "activation_checkpointing", "chunked_loss",
+           "pipeline_parallel"},
     doc="tensor parallelism: parallelize_module with the model's (or a user's) TP plan",
 )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ...core.blocks import gradient_reaches
 from ...core.lazy import lazy_module
 from ...core.values import (COLWISE_STYLES, ROWWISE_STYLES, BatchShape, LowRankAdapters,
-                            Recomputation, collective)
+                            Recomputation, StepRunner, collective)
 from . import _config
 from ._plan import SPLIT_INPUTS, Resolved, sharing, styles
 
@@ -48,7 +48,8 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
     of their whole factor (``_replicated_factor``): in each backward, by their own hook, or where a
     strategy takes the factor over (its sharded parameter has no such hook), by its reduction.
     Backward sums and gathers nothing where no gradient goes (``core.blocks.gradient_reaches``):
-    under a frozen base (LoRA's) the embedding and the first block's input get none."""
+    under a frozen base (LoRA's) the embedding and the first block's input get none. A module a
+    pipeline holds but never runs (``StepRunner.idle``) issues nothing."""
     sequence = inputs.get("sequence_parallel")
     sp = sequence is not None
     head_loss = inputs.get("chunked_loss") is not None
@@ -66,8 +67,11 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
         if style in SPLIT_INPUTS:
             gives_back.setdefault(fqn.rpartition(".")[0], []).append(modules[fqn])
     again = _recomputed(model, resolved, modules, inputs.get("activation_checkpointing"))
+    idle = _idle(inputs.get("pipeline_parallel"))
     for fqn, style in resolved.matched.items():
         m = modules[fqn]
+        if id(m) in idle:
+            continue
         if style in ROWWISE_STYLES:
             times = 2 if fqn in again else 1
             if fqn in kept_whole:
@@ -147,6 +151,13 @@ def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: M
             + collective("all_reduce", "tp", n_adapted * (syncs if strategy else mb),
                          (syncs if strategy else mb) * adapted,
                          "partial gradients of low-rank adapters' replicated factors (backward)"))
+
+
+def _idle(runner: StepRunner | None) -> set[int]:
+    """The modules a pipeline holds but never runs (a tied embedding's copy on the last stage's
+    rank, ``StepRunner.idle``): none of their layers issues anything."""
+    held = runner.idle() if runner is not None else []
+    return {id(m) for module in held for m in module.modules()}
 
 
 def _replicated_factor(module: nn.Module, style: str, adapters: LowRankAdapters | None,
