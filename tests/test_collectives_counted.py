@@ -44,8 +44,7 @@ positions a cp rank holds), llama_cp_tp_chunked declared 38 tp all-reduces (41,1
 rank that holds the sequences' ends (no label there), where torch issues 32 (40,080 B); before
 tp skipped what a pipeline holds but never runs (``StepRunner.idle``), llama_tied_pp_tp_chunked
 declared 48 tp all-reduces (48,464 B) on the last stage's ranks, the tied embedding's copy
-there counted as run, where torch issues 44 (40,272 B) (llama_pp_tp_chunked, untied, was
-already equal).
+there counted as run, where torch issues 44 (40,272 B) (untied, 20 and 44 were equal already).
 
 p2p ops (the schedules' ``batch_isend_irecv`` runs one ``isend``/``irecv`` per op on gloo) and
 ``torch.distributed``'s own collectives reach the dispatcher as ``c10d`` ops whose process group
@@ -200,16 +199,12 @@ CASES[4]["qwen3_tp_sp_fsdp2_every_pass"] = ("qwen3", "[plugins.tp]\nsize = 2\n[p
                                                      "[plugins.fsdp2]\n"
                                                      "defer_fsdp_grad_sync = false\n")
 # pp with tp and sp, and with cp: the layers of each stage run once per microbatch
-# chunked_loss under pp x tp: the kernel's reductions on the last stage's rank only (its
-# microbatches of one sequence in chunks of 5), and tied to the embedding, whose copy there is
-# kept for the weight alone and never run
-CASES[4].update({
-    "llama_pp_tp_chunked": ("llama", "[plugins.pp]\nsize = 2\n[plugins.tp]\nsize = 2\n"
-                                     "[plugins.chunked_loss]\nchunk_size = 5\n"),
-    "llama_tied_pp_tp_chunked": ("llama_tied", "[plugins.pp]\nsize = 2\n[plugins.tp]\n"
-                                               "size = 2\n[plugins.chunked_loss]\n"
-                                               "chunk_size = 5\n"),
-})
+# chunked_loss under pp x tp: the kernel's reductions on the last stage's ranks only (its
+# microbatches of one sequence in chunks of 5); the head tied to the embedding, whose copy there
+# is kept for the weight alone and never run (untied, the rows were equal before: not a case)
+CASES[4]["llama_tied_pp_tp_chunked"] = ("llama_tied", "[plugins.pp]\nsize = 2\n[plugins.tp]\n"
+                                                      "size = 2\n[plugins.chunked_loss]\n"
+                                                      "chunk_size = 5\n")
 # chunked_loss under cp (tp splits the head): 2 sequences of 4 tokens a rank and micro-batch in
 # chunks of 3; only cp rank 0, which holds the sequences' ends (load-balanced), lacks their
 # labels: 6 labelled tokens a micro-batch there, 8 on rank 1
