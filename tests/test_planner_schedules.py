@@ -406,7 +406,7 @@ def test_a_split_backward_reruns_a_checkpointed_block_once_per_weight_group(arch
         whole_checkpoint(block)
         block.mlp.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
     x = torch.randn(2, 16, TINY["hidden_size"], requires_grad=True)
-    loss = model(inputs_embeds=x).logits.square().mean()
+    loss = model(inputs_embeds=x, use_cache=False).logits.square().mean()
     params = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
     _, groups = stage_backward_input([loss], None, [x], iter(params))
     stage_backward_weight(iter(params), groups)
@@ -421,3 +421,96 @@ def test_a_split_backward_reruns_a_checkpointed_block_once_per_weight_group(arch
     assert pass_times(_view("v_schedule", 4, 8, 1.0)[0], mine[0]) == (1.0, 2.0, 1.0 + mine[0])
     assert pass_times(_view("interleaved_1f1b", 4, 8, 1.0)[0], mine[0]) == (1.0, 2.0, 1.0)
     assert pass_times(_view("zero_bubble", 4, 8, 0.0)[0], mine[0]) == (1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_pps_weight_pass_recomputes_a_checkpointed_block_once(arch, monkeypatch):
+    """pp runs each weight pass inside ``weight_pass`` (one torch ``GraphExecGroup`` over the
+    pass's autograd calls, the groups from the last block to the first): a block checkpointed
+    by ``whole_checkpoint`` runs its MLP 3 times a micro-batch (forward, input pass, weight
+    pass), not 2 + one per weight group as above. The gradients are those of the
+    un-checkpointed model bit for bit. Nothing recomputed is alive between the two passes or
+    after the weight pass, and within it at most one block's saved tensors are (torch's
+    checkpoint recomputes a block whole; the rest of a block goes with its last group).
+
+    What is alive is read from torch's checkpoint frames (``_CheckpointFrame.recomputed``, its
+    private cache) after each autograd call of the pass and where each MLP's recompute ends."""
+    import contextlib
+    import gc
+    import weakref
+
+    import torch
+    import transformers
+    from torch.distributed.pipelining._backward import (stage_backward_input,
+                                                        stage_backward_weight)
+    from torch.utils.checkpoint import _CheckpointFrame
+
+    from shardgraph.parallelisms.activation_checkpointing import whole_checkpoint
+    from shardgraph.parallelisms.pp._runner import weight_pass
+    from shardgraph.planner.shape import TINY
+
+    earlier = weakref.WeakSet(o for o in gc.get_objects() if type(o) is _CheckpointFrame)
+
+    def recomputed_bytes() -> int:
+        return sum(t.nbytes for o in gc.get_objects()
+                   if type(o) is _CheckpointFrame and o not in earlier
+                   for cache in o.recomputed.values() for t in cache.values())
+
+    moe = {"num_experts": 8, "moe_intermediate_size": 48, "mlp_only_layers": [1]}
+    values = {**TINY, "num_hidden_layers": 3, **(moe if "Moe" in arch else {})}
+    cls = getattr(transformers, arch)
+    x0 = torch.randn(2, 16, TINY["hidden_size"], generator=torch.Generator().manual_seed(1))
+
+    def run(checkpointed: bool):
+        torch.manual_seed(0)
+        model = cls(cls.config_class(**values))
+        runs, saved, samples, block = [0] * 3, [0] * 3, [], [None]
+        for i, layer in enumerate(model.model.layers):
+            if checkpointed:
+                whole_checkpoint(layer)
+            else:  # what each block saves for backward, un-checkpointed
+                layer.register_forward_pre_hook(lambda *_, i=i: block.__setitem__(0, i))
+                layer.register_forward_hook(lambda *_: block.__setitem__(0, None))
+            layer.mlp.register_forward_pre_hook(
+                lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+            if checkpointed:
+                layer.mlp.register_forward_hook(
+                    lambda *_: samples.append(recomputed_bytes()) if runs[0] > 1 else None)
+
+        def pack(t):
+            if block[0] is not None:
+                saved[block[0]] += t.nbytes
+            return t
+
+        x = x0.clone().requires_grad_()
+        # (no hook in the checkpointed run: one that keeps a tensor its node outputs would tie
+        # the node to itself, and so would a DynamicCache in the checkpoint's kwargs: shardgraph
+        # runs models with use_cache=False)
+        with (contextlib.nullcontext() if checkpointed
+              else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+            loss = model(inputs_embeds=x, use_cache=False).logits.square().mean()
+        params = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
+        _, groups = stage_backward_input([loss], None, [x], iter(params))
+        between = recomputed_bytes()
+        grad = torch.autograd.grad
+
+        def sampled(*args, **kwargs):
+            out = grad(*args, **kwargs)
+            samples.append(recomputed_bytes())
+            return out
+
+        monkeypatch.setattr(torch.autograd, "grad", sampled)
+        with weight_pass(groups):
+            stage_backward_weight(iter(params), groups)
+        monkeypatch.undo()
+        del groups, loss
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return runs, grads | {"x": x.grad}, between, samples, recomputed_bytes(), saved
+
+    plain_runs, expected, _, _, _, saved = run(checkpointed=False)
+    runs, grads, between, samples, after, _ = run(checkpointed=True)
+    assert plain_runs == [1, 1, 1] and runs == [3, 3, 3]
+    assert grads.keys() == expected.keys()
+    assert all(torch.equal(grads[n], expected[n]) for n in expected)
+    assert between == 0 and after == 0
+    assert 0 < max(samples) <= max(saved)

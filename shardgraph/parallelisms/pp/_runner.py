@@ -3,10 +3,11 @@ and a failing stage reported on every rank of the pipeline."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import GraphExecGroup
 
 from ...core.errors import PlanError, Violation
 from ...core.values import StageAction
@@ -76,6 +78,40 @@ class TiedWeights:
                 f"{got}", hint="give the embedding and the LM head styles that split the "
                 "weight the same way (plugins.tp.plan), or untie them", plugin="pp")])
         self._checked = True
+
+
+@contextlib.contextmanager
+def weight_pass(param_groups: list[dict[str, Any]]) -> Iterator[None]:
+    """Run one micro-batch's weight-gradient pass (torch's ``stage_backward_weight`` over
+    ``param_groups``, as ``stage_backward_input`` returned them) inside.
+
+    torch calls autograd once per parameter group (one per weight of a block), and a
+    non-reentrant checkpoint recomputes its region once per autograd call (it keys what it
+    recomputed by graph task): a checkpointed Llama block would run its forward 9 times in the
+    pass. Under one torch ``GraphExecGroup`` the calls share a recompute: once per pass, each
+    recomputed tensor freed when its node reads it. The groups run over disjoint nodes (torch
+    merges groups that share one), as the group requires.
+
+    The groups then run from the last block to the first: the nodes of the input pass that a
+    weight does not need are freed with the last group reaching them, so a top block's (its
+    saved tensors, or what its checkpoint recomputed for them) go as soon as its weights are
+    done instead of staying until the pass ends. Each weight is in one group: the gradients
+    do not depend on the order.
+    """
+    param_groups.reverse()
+    with GraphExecGroup():
+        yield
+
+
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage``, its weight-gradient pass run inside ``weight_pass``."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
+                                   last_backward: bool = False):
+        if backward_type != "weight":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with weight_pass(bwd_kwargs["param_groups"]):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
 class Pipeline:
@@ -166,8 +202,8 @@ class Pipeline:
     def _build(self, n_microbatches: int, scale_grads: bool):
         group = self.pp_group
         stages = [
-            PipelineStage(part, stage_index=s, num_stages=self.n_stages,
-                          device=self._ctx.device, group=group)
+            _Stage(part, stage_index=s, num_stages=self.n_stages,
+                   device=self._ctx.device, group=group)
             for part, s in zip(self.stages, self.stage_ids)
         ]
         cls = getattr(torch_schedules, self.schedule_spec.torch_class)
