@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import tempfile
 import time
 import weakref
@@ -143,6 +144,15 @@ def _scenario(name: str, world_size: int) -> dict:
         # and asserts: validation under these schedules is a known gap)
         parallel.evaluate(local)
         kept_after_eval = _kept_outputs(parallel.runner)
+    # forward runs of each block's MLP in one more step, recomputations included (the first
+    # step also runs the stages once to learn the shapes they send)
+    runs: dict[int, int] = {}
+    counting = [m.register_forward_pre_hook(
+        lambda *_, i=int(n.split(".")[2]): runs.__setitem__(i, runs.get(i, 0) + 1))
+        for n, m in model.named_modules() if re.fullmatch(r"model\.layers\.\d+\.mlp", n)]
+    parallel.step(local, opt)
+    for handle in counting:
+        handle.remove()
     owned = {n for n, _ in model.named_parameters()}
     return {
         "loss": loss, "ref_loss": ref_loss, "param_diff": diff,
@@ -154,6 +164,7 @@ def _scenario(name: str, world_size: int) -> dict:
         "checkpointed": sorted(n for n, m in model.named_modules()
                                if "checkpoint" in (_get_registry(m) or {})),
         "called": called, "too_small": too_small, "kept_outputs": (kept, kept_after_eval),
+        "mlp_runs": {i: r / (local.shape[0] // mbs) for i, r in runs.items()},
         "fsdp_roots": [type(p).__name__.startswith("FSDP") for p in parallel.parts],
         # fully_shard keeps no post-forward mesh when it does not reshard after forward
         "resharded": sorted({m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
@@ -437,9 +448,16 @@ def test_activation_checkpointing_after_pp(world2):
 
 def test_full_checkpointing_under_a_backward_in_two_passes(world2, world4):
     """Zero-bubble schedules backward each microbatch twice (input, then weight gradients):
-    the composable checkpoint fails there (torch 2.13), torch's plain one does not."""
+    the composable checkpoint fails there (torch 2.13), torch's plain one does not. It
+    recomputes a block once in each pass (pp runs the weight pass's autograd calls as one
+    group): 3 forward runs a microbatch, where a recompute per autograd call ran 11 (1 + 1 + one
+    per weight of a Llama block); the first stage has no input pass (its weight pass is a whole
+    backward): 2 there."""
     _matches(world2, "v_ac")
     _matches(world4, "zb_ac_fsdp2")
+    for results, name in ((world2, "v_ac"), (world4, "zb_ac_fsdp2")):
+        runs = {i: r for got in results for i, r in got[name]["mlp_runs"].items()}
+        assert runs == {0: 2, 1: 3, 2: 3, 3: 3}, (name, runs)
 
 
 def test_mixed_precision_without_a_strategy_autocasts_every_stage(world2):
