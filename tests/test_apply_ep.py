@@ -342,10 +342,9 @@ def test_wrap_outer_model_false_is_refused_at_compile_time():
 @pytest.mark.parametrize("schedule", ["zero_bubble", "v_schedule"])
 def test_keeping_the_router_is_refused_where_backward_is_split(schedule):
     """Under a schedule that splits backward the checkpointed blocks are recomputed by torch's
-    plain checkpoint, again for each parameter group of the weight pass (measured at pp 2: each
-    router ran 13 times a microbatch, none of its outputs kept): ignore_router_for_ac could not
-    keep its promise and is refused, naming both options; a schedule that runs backward whole
-    keeps it."""
+    plain checkpoint, in the input pass and again in the weight pass, and the router cannot
+    tell a recompute from a forward there: ignore_router_for_ac could not keep its promise and
+    is refused, naming both options; a schedule that runs backward whole keeps it."""
     def graph(schedule, keep=True):
         return (Graph().add("ep", size=2, ignore_router_for_ac=keep)
                 .add("activation_checkpointing").add("pp", size=2, schedule=schedule)

@@ -249,7 +249,9 @@ class StepRunner(Protocol):
 
     ``splits_backward``: each micro-batch's backward runs as two passes, input gradients then
     weight gradients (torch's zero-bubble schedules), so a checkpointed region is backwarded
-    twice. ``microbatch_size``: the sequences of one of its micro-batches (its schedule's
+    twice. The weight pass's autograd calls (one per parameter group) run in one torch
+    ``GraphExecGroup``, so a non-reentrant checkpoint recomputes once in it, not once per call.
+    ``microbatch_size``: the sequences of one of its micro-batches (its schedule's
     micro-batches are the gradient accumulation: a step hands it the whole local batch).
     """
 

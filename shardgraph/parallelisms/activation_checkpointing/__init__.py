@@ -7,8 +7,16 @@ checkpoints); ``"selective"`` wraps the block's ``forward`` (``selective_checkpo
 Under a pipeline whose backward runs in two passes (zero bubble: input gradients, then weight
 gradients), the composable ``checkpoint`` fails in the second pass (torch 2.13: its recompute
 context is left twice), so full checkpointing wraps ``forward`` there too, with torch's plain
-non-reentrant checkpoint; a selective region cannot be backwarded twice at all, so selective
-mode conflicts with ``split_backward``.
+non-reentrant checkpoint (``whole_checkpoint``). That one recomputes its region once per
+autograd call that reads it, and torch's weight pass makes one call per parameter group (one
+per weight of a block); the pipeline runs the calls of a weight pass as one torch
+``GraphExecGroup`` (``StepRunner.splits_backward``), so a block is recomputed once in each
+pass: its forward runs 3 times a micro-batch (forward, input pass, weight pass; 2 on the first
+stage, whose weight pass is its whole backward) where it ran 11 times for a Llama block (9
+weights) and 13 for Qwen3's. Nothing recomputed outlives its pass: none of it is alive between
+the two passes, and within the weight pass at most one block's recomputed tensors are (measured
+in ``tests/test_planner_schedules.py``). A selective region cannot be backwarded twice at all,
+so selective mode conflicts with ``split_backward``.
 
 ``scopes`` names groups of modules by FQN globs, for composite models whose parts are
 checkpointed independently (a speech encoder and an LLM: ``{"llm": "llm.model.layers.*",
@@ -188,7 +196,8 @@ def selective_checkpoint(module: nn.Module) -> None:
 def whole_checkpoint(module: nn.Module) -> None:
     """Checkpoint ``module``'s forward whole, with torch's non-reentrant checkpoint around
     ``forward`` (hooks outside, names kept): what a backward split into an input pass and a
-    weight pass runs correctly."""
+    weight pass runs correctly. It recomputes once per autograd call, or once per torch
+    ``GraphExecGroup`` the calls run in (the pipeline's weight pass)."""
     _wrap_forward(module)
 
 

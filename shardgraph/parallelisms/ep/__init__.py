@@ -63,10 +63,9 @@ def _check(options: EPOptions, layout, settings) -> list[Violation]:
 def _conflicts_with(options: EPOptions) -> dict[str, OptionFlag]:
     """ignore_router_for_ac cannot keep the router's outputs under a schedule that splits
     backward: there a checkpointed block is recomputed by torch's plain checkpoint, once for
-    the input gradients and again for each parameter group of the weight pass (torch 2.13's
-    ``stage_backward_weight``: 12 recomputations of a tiny Qwen3-MoE block a microbatch at
-    pp 2), and ``Recomputation`` cannot tell the router it is recomputing. Refused rather than
-    recomputing the router silently (without checkpointing the option has no effect anyway)."""
+    the input gradients and once more in the weight pass, and ``Recomputation`` cannot tell the
+    router it is recomputing. Refused rather than recomputing the router silently (without
+    checkpointing the option has no effect anyway)."""
     if not options.ignore_router_for_ac:
         return {}
     return {"split_backward": OptionFlag(
