@@ -88,8 +88,9 @@ def measure(case: str, args: argparse.Namespace) -> str:
         del groups
         gc.collect()
         after = live.now()
+    rise = (peak - between) / MIB
     return (f"{case:8s} between passes {between / MIB:7.2f} MiB   weight pass peak "
-            f"{peak / MIB:7.2f} MiB (+{(peak - between) / MIB:6.2f})   after {after / MIB:6.2f} MiB")
+            f"{peak / MIB:7.2f} MiB (+{rise:6.2f})   after {after / MIB:6.2f} MiB")
 
 
 def main(argv=None) -> None:

@@ -381,13 +381,13 @@ def test_zero_bubble_fills_nothing_when_only_adapters_train():
                                   "Qwen3MoeForCausalLM"])
 def test_a_split_backward_reruns_a_checkpointed_block_once_per_weight_group(arch):
     """Torch's zero-bubble weight pass (``stage_backward_weight``) runs autograd once per
-    parameter group (``get_param_groups``), and a block checkpointed as shardgraph does under
-    such a schedule (``whole_checkpoint``) recomputes its forward in each call: its MLP runs
-    once in forward, once in the input pass and once per group of its weights in the weight
-    pass. The planner counts a block's groups from its shape alone (``weight_groups``: one per
-    weight, a bias joining its weight's) and prices that many recomputations
-    (``pass_times``); Qwen2's q, k and v biases and Qwen3's q and k norms and experts change
-    the count."""
+    parameter group (``get_param_groups``), and a block checkpointed by ``whole_checkpoint``
+    (as shardgraph does under such a schedule) recomputes its forward in each call when the
+    calls are not grouped (pp groups them: next test): its MLP runs once in forward, once in
+    the input pass and once per group of its weights in the weight pass. The planner counts a
+    block's groups from its shape alone (``weight_groups``: one per weight, a bias joining its
+    weight's) and prices that many recomputations (``pass_times``); Qwen2's q, k and v biases
+    and Qwen3's q and k norms and experts change the count."""
     import torch
     import transformers
     from torch.distributed.pipelining._backward import (stage_backward_input,
