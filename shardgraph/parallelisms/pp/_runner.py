@@ -92,11 +92,11 @@ def weight_pass(param_groups: list[dict[str, Any]]) -> Iterator[None]:
     recomputed tensor freed when its node reads it. The groups run over disjoint nodes (torch
     merges groups that share one), as the group requires.
 
-    The groups then run from the last block to the first: the nodes of the input pass that a
-    weight does not need are freed with the last group reaching them, so a top block's (its
-    saved tensors, or what its checkpoint recomputed for them) go as soon as its weights are
-    done instead of staying until the pass ends. Each weight is in one group: the gradients
-    do not depend on the order.
+    The groups then run from the last block to the first: a node of the input pass that no
+    weight needs is freed with the last group whose nodes reach it, so a top block's such
+    nodes (their saved tensors, or what the checkpoint recomputed for them) go as soon as its
+    weights are done instead of staying until the pass ends (torch's order, first block
+    first). Each weight is in one group: the gradients do not depend on the order.
     """
     param_groups.reverse()
     with GraphExecGroup():
