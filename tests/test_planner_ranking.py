@@ -200,15 +200,15 @@ def test_torchs_zero_bubble_with_and_without_checkpointing():
     FSDP 8 x TP 8 x PP 8, local batch 32, full AC) interleaved 1F1B 128 tokens/s/GPU, 1F1B
     100, interleaved zero bubble 13; on Llama 3 8B, PP 8, batch 16 of 512 tokens, no AC,
     interleaved zero bubble 339 against interleaved 1F1B's 304. The predicted order is the
-    measured one in both, and zero bubble with checkpointing is more than twice as slow (its
-    weight pass recomputes each block once per weight, as torch 2.13 runs it: 51.8 tokens/s
-    against 131.2; it was 116.4 priced with one recomputation; the 13 measured in January 2025
-    is slower still)."""
+    measured one in both. torch's stage recomputed a checkpointed block once per weight in the
+    weight pass (its autograd calls apart); shardgraph's pp groups them (one recompute in each
+    pass: 116.4 tokens/s predicted against interleaved 1F1B's 131.2); a pipeline declaring its
+    calls apart (``weight_pass_per_group``) is priced 51.8 (``test_planner_schedules``)."""
     big = ("[plugins.fsdp2]\n[plugins.tp]\nsize = 8\nloss_parallel = true\n[plugins.sp]\n"
            "[plugins.activation_checkpointing]\n[plugins.pp]\nsize = 8\nschedule = '{}'\n")
     speed = {s: _tokens_per_s("405B", 512, 256, 8192, big.format(s))
              for s in ("interleaved_1f1b", "1f1b", "zero_bubble")}
-    assert speed["interleaved_1f1b"] > speed["1f1b"] > 2 * speed["zero_bubble"], speed
+    assert speed["interleaved_1f1b"] > speed["1f1b"] > speed["zero_bubble"], speed
     small = "[plugins.pp]\nsize = 8\nschedule = '{}'\n"
     zb, inter = (_tokens_per_s("8B", 8, 16, 512, small.format(s))
                  for s in ("zero_bubble", "interleaved_1f1b"))

@@ -80,8 +80,9 @@ class PipelineCost:
     (Megatron-Core's interleaved schedule calls ``grad_sync_func`` per model chunk); False: the
     rank's gradients behind its last micro-batch's backward.
     ``weight_pass_per_group``: a split backward's weight pass runs autograd once per parameter
-    group (torch's ``stage_backward_weight``: a block's weights one by one), and a checkpointed
-    block recomputes its forward in each call; False: once a block.
+    group (torch's ``stage_backward_weight``: a block's weights one by one) as calls of their
+    own, and a checkpointed block recomputes its forward in each; False: once in the pass (the
+    calls grouped, as shardgraph's pp runs them under one ``GraphExecGroup``).
     Which numbers of micro-batches a schedule accepts stays the plugin's ``check``.
     """
 

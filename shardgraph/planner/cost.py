@@ -293,12 +293,13 @@ def pass_times(v: PlanView, groups: float = 1.0) -> tuple[float, float, float]:
     """(F, B, W): a block's forward, input-gradient and weight-gradient passes in units of its
     forward; recomputation runs in B. A schedule that splits backward runs the weight pass on
     its own later, and a checkpointed block's recomputed activations do not wait for it: the
-    weight pass recomputes them again, once per parameter group where it runs autograd group
-    by group (``PipelineCost.weight_pass_per_group``; ``groups``: a block's, ``weight_groups``:
-    torch 2.13 runs a Llama block's forward 11 times a micro-batch under full checkpointing,
-    where 1F1B runs it twice). Torch's interleaved zero bubble with full checkpointing ran at
-    13 tokens/s/GPU against interleaved 1F1B's 128 on torchtitan's 405B (pytorch/torchtitan#773;
-    without checkpointing it was the faster)."""
+    weight pass recomputes them again: once, or once per parameter group where its autograd
+    calls run apart (``PipelineCost.weight_pass_per_group``; ``groups``: a block's,
+    ``weight_groups``): torch 2.13's stage alone runs a checkpointed Llama block's forward 11
+    times a micro-batch, shardgraph's pp, grouping the calls, 3, and 1F1B twice. Torch's
+    interleaved zero bubble with full checkpointing ran at 13 tokens/s/GPU against interleaved
+    1F1B's 128 on torchtitan's 405B (pytorch/torchtitan#773; without checkpointing it was the
+    faster)."""
     pipe = v.pipeline
     split = pipe is not None and pipe.split_backward
     reruns = (groups if pipe.weight_pass_per_group else 1.0) if split else 0.0

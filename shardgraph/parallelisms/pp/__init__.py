@@ -360,7 +360,9 @@ def _cost(options: PPOptions, layout) -> Cost:
         schedule=sched.torch_class, stages_per_rank=per_rank, v_shape=sched.v_shape,
         forward_first=sched.torch_class in _FORWARD_FIRST,
         split_backward=sched.split_backward,
-        weight_pass_per_group=sched.split_backward,  # torch 2.13's stage_backward_weight
+        # the runner runs a weight pass's autograd calls as one GraphExecGroup: a
+        # checkpointed block recomputes once in it, not once per weight (``weight_pass``)
+        weight_pass_per_group=False,
         keeps_outputs="none",  # the runner steps with return_outputs=False: losses only
         microbatch_size=options.microbatch_size, layers_per_stage=options.layers_per_stage,
         split=split_layers))
