@@ -94,10 +94,14 @@ def test_the_weight_is_the_one_the_model_adds_the_loss_with():
     JetMoe's under another name): the step uses the model's, as its own loss does."""
     model = tiny_qwen3_moe(**AUX)
     model.router_aux_loss_coef = 0.25
-    tokens = batch(2)
+    _steps_on_its_own_loss(model, batch(2), 0.25)
+
+
+def _steps_on_its_own_loss(model, tokens: torch.Tensor, coef: float) -> None:
+    """A one-process step's loss is the model's own with labels, added with weight ``coef``."""
     want = copy.deepcopy(model)(input_ids=tokens, labels=tokens).loss.item()
     parallel = _one_process(model)
-    assert parallel.router_aux_coef == 0.25
+    assert parallel.router_aux_coef == coef
     assert parallel.step(tokens, None).loss == pytest.approx(want, abs=1e-6)
 
 
@@ -137,19 +141,12 @@ def test_families_with_their_own_keys_train_on_their_own_loss(build):
     torch.manual_seed(0)
     model = build()
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
-    want = copy.deepcopy(model)(input_ids=tokens, labels=tokens).loss.item()
-    parallel = _one_process(model)
-    assert parallel.router_aux_coef == 0.3
-    assert parallel.step(tokens, None).loss == pytest.approx(want, abs=1e-6)
+    _steps_on_its_own_loss(model, tokens, 0.3)
 
 
 def test_without_the_config_flag_no_aux_loss_is_added():
     model = tiny_qwen3_moe(router_aux_loss_coef=0.5)  # output_router_logits left False
-    tokens = batch(2)
-    want = copy.deepcopy(model)(input_ids=tokens, labels=tokens).loss.item()
-    parallel = _one_process(model)
-    assert parallel.router_aux_coef == 0.0
-    assert parallel.step(tokens, None).loss == pytest.approx(want, abs=1e-6)
+    _steps_on_its_own_loss(model, batch(2), 0.0)
 
 
 def test_a_router_that_saw_other_tokens_is_refused_not_added():
