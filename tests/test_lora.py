@@ -170,7 +170,10 @@ exclude_modules = "model.layers.0.*"
     with pytest.raises(PlanError) as info:
         loads_toml("[distributed]\n[peft]\ndim = 0\nmatch_all_linear = true\n").compile(
             world_size=2)
-    assert info.value.key == "peft.dim"
+    # said as written: "dim = 0", not the graph form's "rank = 0" (nor "use a small positive
+    # dim": a name without an underscore is renamed only where it is given a value)
+    assert info.value.key == "peft.dim" and "dim = 0 must be at least 1" in str(info.value)
+    assert "rank = 0" not in str(info.value) and "positive rank" in str(info.value)
 
 
 def test_export_peft_needs_a_plan_with_adapters():

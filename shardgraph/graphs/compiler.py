@@ -532,10 +532,11 @@ def _locate(v: Violation, r: _Resolved, graph: Graph) -> Violation:
 
 def _renamed(text: str, plugin: str, name: str, where: str, written: str) -> str:
     """``text`` with the option ``name`` said as the user wrote it: its graph-form key
-    (``plugins.pp.microbatch_size``) as the user's key, and the bare name as the user's. Only a
-    name with an underscore is replaced bare: one without (``size``, ``stages``) is also an
-    ordinary word of the message."""
+    (``plugins.pp.microbatch_size``) as the user's key, and the bare name as the user's. A name
+    without an underscore (``size``, ``rank``) is also an ordinary word of the message: it is
+    replaced only where it is given a value (``rank = 0``)."""
     text = text.replace(f"plugins.{plugin}.{name}", where)
-    if "_" not in name or name == written:
+    if name == written:
         return text
-    return re.sub(rf"(?<![\w.]){re.escape(name)}(?!\w)", written, text)
+    after = r"(?!\w)" if "_" in name else r"(?= = )"
+    return re.sub(rf"(?<![\w.]){re.escape(name)}{after}", written, text)
