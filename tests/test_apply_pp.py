@@ -108,6 +108,9 @@ def _scenario(name: str, world_size: int) -> dict:
     tokens = batch(global_batch=global_batch)
     steps = 2 if name == "two_steps" else 1
     ref_loss, ref_params = reference(model, tokens, mbs, steps)
+    stepped = copy.deepcopy(model)  # as validated below: after one more (counted) step
+    stepped.load_state_dict(reference(model, tokens, mbs, steps + 1)[1])
+    stepped.eval()
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
         parallel = plan.apply(model, ctx)
@@ -138,14 +141,9 @@ def _scenario(name: str, world_size: int) -> dict:
     for n, p in model.named_parameters():
         diff = max(diff, (full(p).float() - ref_params[n].float()).abs().max().item())
     kept = _kept_outputs(parallel.runner)  # after the step: the last stage's logits
-    kept_after_eval = 0
-    if not parallel.runner.splits_backward:
-        # (torch 2.13's eval of a zero-bubble schedule runs its V's local backward hand-off
-        # and asserts: validation under these schedules is a known gap)
-        parallel.evaluate(local)
-        kept_after_eval = _kept_outputs(parallel.runner)
     # forward runs of each block's MLP in one more step, recomputations included (the first
-    # step also runs the stages once to learn the shapes they send)
+    # step also runs the stages once to learn the shapes they send; so does the first after a
+    # validation pass: torch infers them again at each switch between eval and train)
     runs: dict[int, int] = {}
     counting = [m.register_forward_pre_hook(
         lambda *_, i=int(n.split(".")[2]): runs.__setitem__(i, runs.get(i, 0) + 1))
@@ -153,6 +151,12 @@ def _scenario(name: str, world_size: int) -> dict:
     parallel.step(local, opt)
     for handle in counting:
         handle.remove()
+    # validation: the summed token losses of one process's model stepped as far
+    evaluated = parallel.evaluate(local)
+    kept_after_eval = _kept_outputs(parallel.runner)
+    with torch.no_grad():
+        want = F.cross_entropy(stepped(input_ids=local).logits[:, :-1].flatten(0, 1).float(),
+                               local[:, 1:].flatten(), reduction="sum").item()
     owned = {n for n, _ in model.named_parameters()}
     return {
         "loss": loss, "ref_loss": ref_loss, "param_diff": diff,
@@ -164,6 +168,7 @@ def _scenario(name: str, world_size: int) -> dict:
         "checkpointed": sorted(n for n, m in model.named_modules()
                                if "checkpoint" in (_get_registry(m) or {})),
         "called": called, "too_small": too_small, "kept_outputs": (kept, kept_after_eval),
+        "evaluated": (float(evaluated[0]), want),
         "mlp_runs": {i: r / (local.shape[0] // mbs) for i, r in runs.items()},
         "fsdp_roots": [type(p).__name__.startswith("FSDP") for p in parallel.parts],
         # fully_shard keeps no post-forward mesh when it does not reshard after forward
@@ -393,6 +398,17 @@ def test_every_torch_schedule_matches_reference_at_pp2(world2, name):
     _matches(world2, name)
     per_rank = 1 if name in ("1f1b", "gpipe") else 2
     assert all(len(r[name]["stage_ids"]) == per_rank for r in world2)
+
+
+@pytest.mark.parametrize("name", WORLD2[:7])
+def test_every_torch_schedule_validates_as_one_process(world2, name):
+    """A validation pass (``evaluate``: forwards only) gives one process's summed token losses
+    of the stepped model under every schedule. ZB-V's and DualPipeV's run a table of forwards
+    alone: torch 2.13's ``eval`` of them runs their backward actions and failed on one rank
+    while the other waited (a hang until the pipeline's watch)."""
+    for r in world2:
+        got, want = r[name]["evaluated"]
+        assert got == pytest.approx(want, rel=1e-5), (name, got, want)
 
 
 def test_stages_are_placed_looped_or_in_a_v(world2):

@@ -179,7 +179,8 @@ class Pipeline:
         embedding): after ``reduce_grads`` their gradients are the peer's, counted once."""
         return self.tied.params() if self.tied is not None and self.tied.mirror else []
 
-    def _schedule(self, n_microbatches: int, scale_grads: bool, shape: tuple[int, ...]):
+    def _schedule(self, n_microbatches: int, scale_grads: bool, shape: tuple[int, ...],
+                  forward_only: bool = False):
         """The schedule for batches of ``shape``, built at its first use and kept.
 
         torch's stages infer the shapes they send and receive from the first microbatch they
@@ -187,12 +188,19 @@ class Pipeline:
         ``PipelineStage`` wrappers of the same modules; gradients and parameters are
         untouched). The last ``KEEP`` shapes are kept, so a few recurring lengths (buckets)
         build nothing after their first step.
+
+        A forward-only pass (validation) of a schedule whose stages sit in a V with a split
+        backward (ZB-V, DualPipeV) runs a table of forwards alone (``_forwards_only``): torch
+        2.13's ``eval`` of those schedules runs their backward actions and fails.
         """
-        key = (n_microbatches, scale_grads, shape)
+        own = forward_only and self.schedule_spec.v_shape and self.schedule_spec.split_backward
+        key = (n_microbatches, scale_grads, shape, own)
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
         schedule = self._build(n_microbatches, scale_grads)
+        if own:
+            _forwards_only(schedule, n_microbatches)
         self._schedules[key] = schedule
         self.built += 1
         while len(self._schedules) > self.KEEP:
@@ -281,7 +289,7 @@ class Pipeline:
         self._steps += 1
         with _FailureWatch(self, self._steps) as watch:
             try:
-                schedule = self._schedule(n, scale_grads, tuple(inputs.shape))
+                schedule = self._schedule(n, scale_grads, tuple(inputs.shape), forward_only)
                 run = schedule.eval if forward_only else schedule.step
                 # The losses are all a step or a validation pass needs: by default the last
                 # stage would keep every microbatch's logits until the next step, to return
@@ -304,6 +312,27 @@ class Pipeline:
 
 
 #: torch's schedule actions -> ``StageAction.kind`` (its sends and receives are pp's own rows)
+def _forwards_only(schedule, n_microbatches: int) -> None:
+    """Give a runtime schedule a table of forwards alone: each rank runs its stages in order,
+    every microbatch of one before the next (GPipe's order over any placement: a stage waits
+    only for lower stages, which no rank holds back), lowered by torch's own passes (a
+    sharded stage's unshard and reshard, the sends and receives; a V's hand-off on one rank
+    is the runtime's). Not through ``_prepare_schedule_with_comms``: its check asks every
+    microbatch for a backward."""
+    from torch.distributed.pipelining.schedules import (_Action, _add_send_recv,
+                                                         _add_unshard_reshard,
+                                                         _ComputationType)
+
+    on = schedule.stage_index_to_group_rank
+    by_rank: dict[int, list] = {}
+    for stage, rank in sorted(on.items()):
+        by_rank.setdefault(rank, []).extend(
+            _Action(stage, _ComputationType.FORWARD, i) for i in range(n_microbatches))
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        {rank: _add_unshard_reshard(actions) for rank, actions in by_rank.items()},
+        stage_to_rank=lambda stage: on[stage], num_stages=schedule._num_stages)
+
+
 _KINDS = {
     torch_schedules._ComputationType.FORWARD: "forward",
     torch_schedules._ComputationType.FULL_BACKWARD: "backward",
