@@ -454,10 +454,10 @@ def test_pps_weight_pass_recomputes_a_checkpointed_block_once(arch, monkeypatch)
     from shardgraph.planner.shape import TINY
 
     earlier = weakref.WeakSet(o for o in gc.get_objects() if type(o) is _CheckpointFrame)
+    frames = weakref.WeakSet()  # this run's, found once after its forward (a scan is slow)
 
     def recomputed_bytes() -> int:
-        return sum(t.nbytes for o in gc.get_objects()
-                   if type(o) is _CheckpointFrame and o not in earlier
+        return sum(t.nbytes for o in frames
                    for cache in o.recomputed.values() for t in cache.values())
 
     moe = {"num_experts": 8, "moe_intermediate_size": 48, "mlp_only_layers": [1]}
@@ -493,6 +493,8 @@ def test_pps_weight_pass_recomputes_a_checkpointed_block_once(arch, monkeypatch)
         with (contextlib.nullcontext() if checkpointed
               else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
             loss = model(inputs_embeds=x, use_cache=False).logits.square().mean()
+        frames.update(o for o in gc.get_objects()
+                      if type(o) is _CheckpointFrame and o not in earlier)
         params = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
         _, groups = stage_backward_input([loss], None, [x], iter(params))
         between = recomputed_bytes()
