@@ -46,10 +46,12 @@ def caveat_lines(est: dict[str, Any]) -> list[str]:
                      f"matmuls and attention are priced with {curve['priced_as']}'s constants "
                      "(README, How accurate)")
     if not eff["model"]["step_time_validated"]:
-        lines.append("mixture of experts: the step time is not validated; the published MoE "
-                     "runs took 2 to 4.2 times the time priced where each ep group sat in a node "
-                     "(their dispatch and experts cost more than their FLOPs), 0.9 times where "
-                     "ep crossed nodes (README, How accurate)")
+        lines.append("mixture of experts: the step time is not validated for shardgraph's ep "
+                     "(torch's all-to-all, timed on no GPU); Megatron-Bridge 26.06's MoE runs "
+                     "(HybridEP's dispatcher, CUDA graphs) took 0.98 to 1.06 times the time "
+                     "priced, 25.11's (the all-to-all dispatcher) 2 to 4.2 times where each ep "
+                     "group sat in a node, 0.9 times where ep crossed nodes: the dispatcher's "
+                     "implementation, not the FLOPs, set those (README, How accurate)")
     return lines
 
 
