@@ -211,12 +211,13 @@ def test_the_planners_order_and_gathers_are_torchs(schedule, pp, n, per_rank):
     """``_looped_order`` is the order of torch's action table on every rank (a whole
     backward's looped schedules), and ``stage_gathers`` counts the ``UNSHARD`` actions torch's
     runtime adds to it for fsdp: once a stage with up to three a rank, more often with more
-    (each stage's parameters gathered again when its turn comes back); resharded after forward,
-    the gathers the dry run counts on torch's lowered table (``StepRunner.actions``)."""
-    from shardgraph.core.values import StageAction
+    (each stage's parameters gathered again when its turn comes back). The planner's replay of
+    that lowering (``lowered_actions``) is torch's lowered table action for action, so the one
+    rule that counts gathers (``core.values.stage_gathers``) gives the dry run's rows on torch's
+    table (``StepRunner.actions``) and the planner's price alike, resharded after forward too."""
+    from shardgraph.core.values import StageAction, stage_gathers as gathers
     from shardgraph.parallelisms.pp._runner import _KINDS
-    from shardgraph.planner.memory import _looped_order, stage_gathers
-    from shardgraph.strategies.fsdp2 import _stage_gathers
+    from shardgraph.planner.memory import _looped_order, lowered_actions, stage_gathers
 
     view, _ = _view(schedule, pp, n, 1.0)
     v = per_rank
@@ -238,7 +239,8 @@ def test_the_planners_order_and_gathers_are_torchs(schedule, pp, n, per_rank):
         # held equal to torch's in test_collectives_counted.py)
         actions = [StageAction(_KINDS[a.computation_type], (a.stage_index - rank) // pp)
                    for a in lowered if a.computation_type in _KINDS]
-        resharded = sum(_stage_gathers(actions, c, True) for c in range(v)) / v
+        assert list(lowered_actions(torchs)) == actions, rank  # the planner's replay of it
+        resharded = sum(gathers(actions, c, True) for c in range(v)) / v
         assert stage_gathers(view, n, v, rank, resharded=True) == pytest.approx(resharded), rank
 
 

@@ -235,6 +235,27 @@ class StageAction:
     part: int
 
 
+def stage_gathers(actions: Iterable[StageAction], part: int, resharded: bool) -> int:
+    """How often a step gathers a sharded unit of stage ``part``, following ``actions``:
+    whenever a pass (or the runtime's ``unshard``) finds it sharded. A backward keeps it
+    gathered until the stage's ``reduce_grads`` (torch's stages: ``set_reshard_after_backward
+    (False)``), the runtime's ``reshard`` frees the whole stage, and a unit ``resharded`` after
+    forward is freed after each forward too (so a stage's forwards and backwards in turn, 1F1B,
+    gather it again and again). Without resharding: once, unless the runtime frees the stage
+    between its turns. One rule for the dry run's rows (fsdp2, on torch's own tables) and the
+    planner's price (on the order it replays without torch)."""
+    gathered, count = False, 0
+    for action in actions:
+        if action.part != part:
+            continue
+        if action.kind in ("reshard", "reduce_grads"):
+            gathered = False
+            continue
+        count += not gathered
+        gathered = not (action.kind == "forward" and resharded)
+    return count
+
+
 @runtime_checkable
 class StepRunner(Protocol):
     """Capability ``pipeline_parallel``: a value that runs forward and backward over

@@ -21,6 +21,8 @@ import math
 import attrs
 
 from ..core.costs import LINEAR_ROLES
+from ..core.values import StageAction
+from ..core.values import stage_gathers as unit_gathers
 from .shape import ModelShape, Param, kind_params, layer_kind
 from .view import PlanView, Setup
 
@@ -457,7 +459,7 @@ def stage_gathers(v: PlanView, n_micro: int, chunks: int, rank: int = 0,
     rank) and gathers the others again when their turn comes. A unit ``resharded`` after
     forward is gathered again by whichever pass follows each of its forwards (a backward keeps
     it gathered until the stage's gradient reduction): ``n_micro + 1`` times but for the
-    runtime's releases (``_resharded_gathers``). A split backward's order is not followed: once
+    runtime's releases (``_gathers``). A split backward's order is not followed: once
     (under), ``n_micro + 1`` resharded."""
     pipe = v.pipeline
     if (v.pp <= 1 or pipe is None or pipe.v_shape or pipe.split_backward
@@ -467,28 +469,32 @@ def stage_gathers(v: PlanView, n_micro: int, chunks: int, rank: int = 0,
         return 1.0
     order = _looped_order(n_micro, chunks, inflight(v, n_micro, chunks, rank),
                           _rounds(v, n_micro))
-    counts = _resharded_gathers(order, chunks) if resharded else _lowered(order, chunks)[1]
+    counts = _gathers(order, chunks, resharded)
     return sum(counts) / chunks
 
 
 @functools.lru_cache(maxsize=256)
-def _resharded_gathers(order: tuple[tuple[bool, int], ...], chunks: int) -> tuple[int, ...]:
-    """How many times each stage's units resharded after forward are gathered over ``order``
-    as torch's runtime lowers it (``_lowered``): whenever the runtime gathers the stage, or a
-    pass runs it, while they are sharded. A forward frees them after it, a backward keeps them
-    (torch's stages reshard after the gradient reduction only), a release frees them."""
-    gathered, counts = [False] * chunks, [0] * chunks
+def _gathers(order: tuple[tuple[bool, int], ...], chunks: int, resharded: bool
+             ) -> tuple[int, ...]:
+    """How many times each stage's units are gathered over ``order`` as torch's runtime lowers
+    it, counted by the rule the dry run counts torch's own tables by
+    (``core.values.stage_gathers``: a forward frees a unit ``resharded`` after it, a backward
+    keeps it, a release frees it)."""
+    actions = lowered_actions(order)
+    return tuple(unit_gathers(actions, c, resharded) for c in range(chunks))
+
+
+def lowered_actions(order: tuple[tuple[bool, int], ...]) -> tuple[StageAction, ...]:
+    """``order`` with the runtime's gathers and releases (``_lowered``) before each pass, as
+    torch's ``_add_unshard_reshard`` writes them into its table."""
+    actions: list[StageAction] = []
     before: frozenset[int] = frozenset()
-    for (forward, c), active in zip(order, _lowered(order, chunks)[0]):
-        for s in before - active:
-            gathered[s] = False
-        for s in sorted(active - before):
-            counts[s] += not gathered[s]
-            gathered[s] = True
-        counts[c] += not gathered[c]
-        gathered[c] = not forward
+    for (forward, c), active in zip(order, _lowered(order)):
+        actions += [StageAction("reshard", s) for s in sorted(before - active)]
+        actions += [StageAction("unshard", s) for s in sorted(active - before)]
+        actions.append(StageAction("forward" if forward else "backward", c))
         before = active
-    return tuple(counts)
+    return tuple(actions + [StageAction("reshard", s) for s in sorted(before)])
 
 
 @functools.lru_cache(maxsize=256)
@@ -512,15 +518,12 @@ def _looped_order(n_micro: int, chunks: int, before_first: float, rounds: int
 
 
 @functools.lru_cache(maxsize=256)
-def _lowered(order: tuple[tuple[bool, int], ...], chunks: int
-             ) -> tuple[tuple[frozenset[int], ...], tuple[int, ...]]:
+def _lowered(order: tuple[tuple[bool, int], ...]) -> tuple[frozenset[int], ...]:
     """torch's runtime's fsdp lowering of ``order`` (``_add_unshard_reshard``): before each
     pass, the stages of the next ``ACTIVE_STAGES`` distinct ones not gathered are gathered and
-    the gathered ones not among them released. (The stages gathered at each pass, how many
-    times each stage is gathered.)"""
+    the gathered ones not among them released. (The stages gathered at each pass.)"""
     stages = [c for _, c in order]
     active: set[int] = set()
-    counts = [0] * chunks
     out = []
     for i in range(len(stages)):
         upcoming: list[int] = []
@@ -530,12 +533,9 @@ def _lowered(order: tuple[tuple[bool, int], ...], chunks: int
                 if len(upcoming) == ACTIVE_STAGES:
                     break
         active &= set(upcoming)
-        for c in upcoming:
-            if c not in active:
-                active.add(c)
-                counts[c] += 1
+        active.update(upcoming)
         out.append(frozenset(active))
-    return tuple(out), tuple(counts)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=256)
@@ -544,7 +544,7 @@ def _played_peaks(n_micro: int, chunks: int, before_first: float, rounds: int
     """``staged_peaks`` with more than ``ACTIVE_STAGES`` stages a rank: the order played out,
     a point at each backward (the parameters gathered there change with the lowering)."""
     order = _looped_order(n_micro, chunks, before_first, rounds)
-    gathered, _ = _lowered(order, chunks)
+    gathered = _lowered(order)
     first, last = _backward_spans(n_micro, chunks, rounds)
     points, in_flight, k = set(), 0, 0
     for (forward, _), active in zip(order, gathered):

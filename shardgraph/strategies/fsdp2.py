@@ -16,9 +16,9 @@ from ..core.values import (
     BatchShape,
     PrecisionPolicy,
     ShardUnit,
-    StageAction,
     StepRunner,
     collective,
+    stage_gathers,
 )
 from ..plugins import Kind, OptionFlag, Plugin
 
@@ -122,7 +122,7 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
                  inputs: dict[str, Any], batch: BatchShape) -> list[dict[str, Any]]:
     """Every unit's all-gather in each forward (and again in backward where it reshards after
     forward; under a pipeline, as often as the schedule's order finds it sharded:
-    ``_stage_gathers``), and its gradients' reduce-scatter once per gradient sync
+    ``core.values.stage_gathers``), and its gradients' reduce-scatter once per gradient sync
     (``BatchShape.grad_syncs``: on the last micro-batch only with ``defer_fsdp_grad_sync``, else
     in every backward), over the unit's own shard axis (``dp_shard_cp``; ``dp_shard`` under hsdp, which then all-reduces the
     reduced shard over ``dp_replicate``; ep's experts: ``ep_shard``). A unit over one rank
@@ -150,7 +150,7 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
         if size > 1:
             resharded = group.post_forward_mesh_info is not None
             if actions is not None and id(unit) in part_of:
-                gathers = _stage_gathers(actions, part_of[id(unit)], resharded)
+                gathers = stage_gathers(actions, part_of[id(unit)], resharded)
             else:
                 gathers = batch.micro_batches * (2 if resharded else 1)
             _add(rows, "all_gather", names[info.shard_mesh_dim], gathers,
@@ -168,26 +168,6 @@ def _collectives(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
             "all_reduce": "HSDP gradient shards across replicas"}
     return [row for (op, group), (count, nbytes) in rows.items()
             for row in collective(op, group, count, nbytes, what[op])]
-
-
-def _stage_gathers(actions: list[StageAction], part: int, resharded: bool) -> int:
-    """How often a step gathers a unit of pipeline stage ``part``, following the schedule's
-    ``actions`` on it: whenever a pass (or the runtime's ``unshard``) finds it sharded. torch's
-    stages keep every unit gathered after a backward until the stage's gradient reduction
-    (``set_reshard_after_backward(False)``), and a looped runtime frees whole stages
-    (``reshard``); a unit resharded after forward (not the default under pp) is freed after each
-    forward too, so a stage's forwards and backwards in turn (1F1B) gather it again and
-    again. Without resharding: once, unless the runtime frees the stage between its turns."""
-    gathered, count = False, 0
-    for action in actions:
-        if action.part != part:
-            continue
-        if action.kind in ("reshard", "reduce_grads"):
-            gathered = False
-            continue
-        count += not gathered
-        gathered = not (action.kind == "forward" and resharded)
-    return count
 
 
 def _padded_bytes(params: list, size: int, dtype) -> int:
