@@ -108,14 +108,15 @@ def _shape(m: dict[str, Any]) -> ModelShape:
         return ModelShape(architecture="MegatronGPT", vocab=m.get("vocab", 51200), hidden=h,
                           layers=m["layers"], heads=heads, kv_heads=heads, head_dim=h // heads,
                           intermediate=4 * h, tied=True, attention_bias=bias, mlp_bias=bias,
-                          gated=False)
+                          gated=False, param_bytes=m.get("param_bytes", 4))
     if m["kind"] == "qwen3_moe":  # every block's MLP routed: each token to top_k experts
         return ModelShape(architecture="Qwen3MoeForCausalLM", vocab=m["vocab"], hidden=h,
                           layers=m["layers"], heads=heads, kv_heads=m["kv_heads"],
                           head_dim=m["head_dim"], intermediate=m["moe_intermediate"],
                           qk_norm=True, experts=m["experts"], top_k=m["top_k"],
                           moe_intermediate=m["moe_intermediate"],
-                          moe_layers=tuple(range(m["layers"])))
+                          moe_layers=tuple(range(m["layers"])),
+                          param_bytes=m.get("param_bytes", 4))
     return ModelShape(architecture="LlamaForCausalLM", vocab=m["vocab"], hidden=h,
                       layers=m["layers"], heads=heads, kv_heads=m["kv_heads"],
                       head_dim=h // heads, intermediate=m["intermediate"],

@@ -47,11 +47,12 @@ def caveat_lines(est: dict[str, Any]) -> list[str]:
                      "(README, How accurate)")
     if not eff["model"]["step_time_validated"]:
         lines.append("mixture of experts: the step time is not validated for shardgraph's ep "
-                     "(torch's all-to-all, timed on no GPU); Megatron-Bridge 26.06's MoE runs "
-                     "(HybridEP's dispatcher, CUDA graphs) took 0.98 to 1.06 times the time "
-                     "priced, 25.11's (the all-to-all dispatcher) 2 to 4.2 times where each ep "
-                     "group sat in a node, 0.9 times where ep crossed nodes: the dispatcher's "
-                     "implementation, not the FLOPs, set those (README, How accurate)")
+                     "(torch's all-to-all, timed on no GPU); Megatron-Bridge 26.06's and NeMo "
+                     "AutoModel's MoE runs (HybridEP's and DeepEP's dispatchers) took 0.95 to "
+                     "1.06 times the time priced, Megatron-Bridge 25.11's (the all-to-all "
+                     "dispatcher) 2 to 4.2 times where each ep group sat in a node, 0.9 times "
+                     "where ep crossed nodes: the dispatcher's code, not the FLOPs, set those "
+                     "(README, How accurate)")
     return lines
 
 
