@@ -725,6 +725,19 @@ def test_a_misspelt_key_of_the_data_is_refused_not_read_as_absent():
     assert f"[run] '{data['sweep'][0]['name']}, layouts[1]': 'tpp'" in text
 
 
+def test_every_model_key_is_read_for_every_kind():
+    """A ``[model]`` key that ``KEYS`` admits is read for every model kind: a Qwen3 MoE row's
+    ``param_bytes = 2`` (NeMo AutoModel's bf16 parameters) was read as absent and priced fp32
+    masters, 96 GiB for a run that ran in 80."""
+    for r in cal._data()["run"]:
+        shape = cal._shape(r["model"])
+        assert shape.param_bytes == r["model"].get("param_bytes", 4), r["name"]
+        assert shape.hidden == r["model"]["hidden"] and shape.layers == r["model"]["layers"]
+    moe = dict(next(r["model"] for r in cal._data()["run"] if r["model"]["kind"] == "qwen3_moe"))
+    moe["param_bytes"] = 2
+    assert cal._shape(moe).param_bytes == 2
+
+
 def test_an_attention_share_is_borrowed_from_a_fitted_name(monkeypatch):
     """``[calibration.NAME] attention_as`` must name a calibration fitted on rows of its own:
     the fit says which and what is fitted before it searches."""
