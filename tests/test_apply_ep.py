@@ -387,3 +387,54 @@ def test_dispatch_counts_each_layers_own_top_k():
     # dispatch and combine, forward and backward (4) x 4 tokens x hidden x 4 bytes, of 2 tokens
     # routed in layer 0 and 1 in every other layer
     assert rows[0]["bytes"] == 4 * 4 * HIDDEN * 4 * (2 + (LAYERS - 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_local_experts_run_as_grouped_gemms_with_the_loops_numbers(dtype):
+    """An ep rank's local experts run one ``F.grouped_mm`` a projection where torch has a kernel
+    for the operands, with the numbers (outputs and every gradient) of one ``F.linear`` per
+    expert, an expert without rows included; widths whose rows are not 16-byte multiples (the
+    kernels' loads refuse them) and empty inputs run the loop."""
+    import torch.nn.functional as F
+
+    from shardgraph.parallelisms.ep import _dispatch
+
+    class Experts(torch.nn.Module):
+        def __init__(self, hidden, width):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(3, 2 * width, hidden, dtype=dtype))
+            self.down_proj = torch.nn.Parameter(torch.randn(3, hidden, width, dtype=dtype))
+
+        def _apply_gate(self, x):
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+    torch.manual_seed(0)
+    per = [5, 0, 7]
+    ends = torch.tensor(per).cumsum(0, dtype=torch.int32)
+    experts = Experts(16, 8)
+    rows = torch.randn(12, 16, dtype=dtype, requires_grad=True)
+    grad = torch.randn(12, 16, dtype=dtype)
+    found = []
+    for grouped in (True, False):
+        real = _dispatch._grouped
+        _dispatch._grouped = lambda *a, g=grouped: g and real(*a)
+        try:
+            out = _dispatch._run_local_experts(experts, rows, per, ends)
+            out.backward(grad)
+        finally:
+            _dispatch._grouped = real
+        found.append([out.detach()] + [t.grad.clone() for t in (rows, *experts.parameters())])
+        for t in (rows, *experts.parameters()):
+            t.grad = None
+    assert _dispatch._grouped(rows, experts.gate_up_proj.transpose(-2, -1),
+                              experts.down_proj.transpose(-2, -1), per)
+    exact = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {}  # bf16: its tolerance
+    for a, b in zip(*found):
+        torch.testing.assert_close(a, b, **exact)
+    odd = Experts(6, 3)  # 6 and 3 elements a row: not 16-byte multiples
+    assert not _dispatch._grouped(torch.randn(4, 6, dtype=dtype),
+                                  odd.gate_up_proj.transpose(-2, -1),
+                                  odd.down_proj.transpose(-2, -1), [4, 0, 0])
+    assert not _dispatch._grouped(rows[:0], experts.gate_up_proj.transpose(-2, -1),
+                                  experts.down_proj.transpose(-2, -1), [0, 0, 0])

@@ -2,8 +2,10 @@
 
 Each rank of the ``ep`` group owns ``E / ep`` consecutive experts (a ``Shard(0)`` DTensor over
 the stacked ``(E, ...)`` weights). A token routed to expert ``e`` travels to the rank that owns
-``e`` with ``all_to_all_single`` (uneven splits), is computed there and travels back; the
-routing weights are applied on the token's own rank, so the router's gradient stays local.
+``e`` with ``all_to_all_single`` (uneven splits), is computed there (the rank's experts as one
+grouped GEMM a projection, ``F.grouped_mm``, where torch has a kernel for the operands) and
+travels back; the routing weights are applied on the token's own rank, so the router's gradient
+stays local.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def _forward(
     # Received rows come peer-major; the local experts want them expert-major.
     local_ids = torch.arange(local_experts, device=counts.device).repeat(ep)
     by_expert = torch.argsort(torch.repeat_interleave(local_ids, counts_in), stable=True)
-    computed = _run_local_experts(self, received[by_expert], rows_per_expert)
+    ends = counts_in.view(ep, local_experts).sum(0).cumsum(0, dtype=torch.int32)
+    computed = _run_local_experts(self, received[by_expert], rows_per_expert, ends)
     computed = computed[_inverse(by_expert)]
 
     returned = all_to_all_single_autograd(computed, send_splits, recv_splits, mesh)
@@ -91,14 +94,43 @@ def _forward(
     return weighted.sum(dim=1).to(hidden_states.dtype)
 
 
-def _run_local_experts(self: nn.Module, rows: torch.Tensor, rows_per_expert: list[int]):
-    """HF's per-expert MLP (``down(gate(gate_up(x)))``) on rows grouped by local expert."""
+def _run_local_experts(self: nn.Module, rows: torch.Tensor, rows_per_expert: list[int],
+                       ends: torch.Tensor) -> torch.Tensor:
+    """HF's per-expert MLP (``down(gate(gate_up(x)))``) on rows grouped by local expert
+    (``ends``: where each expert's rows end, on the device). One grouped GEMM a projection where
+    torch has a kernel for it, else one ``F.linear`` per expert and projection."""
     gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    # (E, out, in) weights as column-major (E, in, out): x @ w[e].T for each expert's rows
+    gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    if _grouped(rows, gate_up_t, down_t, rows_per_expert):
+        up = F.grouped_mm(rows, gate_up_t, offs=ends)
+        return F.grouped_mm(self._apply_gate(up), down_t, offs=ends)
     outputs = [
         F.linear(self._apply_gate(F.linear(chunk, gate_up[e])), down[e])
         for e, chunk in enumerate(rows.split(rows_per_expert))
     ]
     return torch.cat(outputs)
+
+
+def _grouped(rows: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor,
+             rows_per_expert: list[int]) -> bool:
+    """Whether ``F.grouped_mm`` runs these operands: fp32 or bf16 on the CPU, bf16 on CUDA at
+    SM 80 or newer (its kernels' dtypes), every operand and the gate's output (as wide as
+    ``down_t``'s rows) laid out on 16-byte boundaries (its kernels' loads refuse others), and
+    on CUDA no expert without rows (pytorch#172439: empty groups on Blackwell). Else the
+    experts run one ``F.linear`` each."""
+    if rows.shape[0] == 0 or any(w.dtype != rows.dtype for w in (gate_up_t, down_t)):
+        return False
+    if rows.device.type == "cuda":
+        if (rows.dtype != torch.bfloat16 or min(rows_per_expert) == 0
+                or torch.cuda.get_device_capability(rows.device)[0] < 8):
+            return False
+    elif rows.device.type != "cpu" or rows.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    size = rows.element_size()
+    return all(t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0
+                                              for stride in t.stride() if stride != 1)
+               for t in (rows, gate_up_t, down_t)) and down_t.shape[1] * size % 16 == 0
 
 
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:
