@@ -178,6 +178,31 @@ def test_a_value_of_another_type_than_its_contract_is_refused():
     assert plan.exported()["fully_shard"].cpu_offload is False  # fsdp2's ShardUnit
 
 
+def test_a_pipeline_value_of_an_older_contract_is_told_what_it_lacks():
+    """A third party's step runner written before ``StepRunner`` gained ``actions`` and ``idle``
+    (which the dry run's counts read) is refused when its plugin exports it, naming what it must
+    add, rather than being taken for no runner at all."""
+
+    class OldRunner:
+        splits_backward = False
+        microbatch_size = 1
+
+        def run(self, inputs, labels, loss_fn, **kwargs): ...
+        def parts(self): return []
+        def evaluate(self, inputs, labels, loss_fn): ...
+        def reduce_grads(self): ...
+        def mirrors(self): return []
+
+    old = Plugin(name="old_pipeline", kind=Kind.POLICY, provides={"pipeline_parallel"},
+                 export=lambda options, layout, inputs: {"pipeline_parallel": OldRunner()})
+    registry = builtin_registry()
+    registry.register(old)
+    plan = Graph().add("fsdp2").add("old_pipeline").compile(world_size=2, registry=registry)
+    with pytest.raises(TypeError, match="exported OldRunner for capability 'pipeline_parallel', "
+                                        "whose contract is a StepRunner: it lacks idle, actions"):
+        plan.exported()
+
+
 def test_no_hidden_edges_and_no_plugin_names_in_the_runtime():
     from shardgraph.core.axes import Axis
 

@@ -227,8 +227,10 @@ class Plan:
             kind = contracts.get(cap)
             if kind is None or not isinstance(value, kind):
                 want = "no value (it is a flag)" if kind is None else f"a {kind.__name__}"
+                missing = _missing_members(kind, value) if kind is not None else []
+                lacks = f": it lacks {', '.join(missing)}" if missing else ""
                 raise TypeError(f"plugin {plugin!r} exported {type(value).__name__} for "
-                                f"capability {cap!r}, whose contract is {want} "
+                                f"capability {cap!r}, whose contract is {want}{lacks} "
                                 "(shardgraph.core.values.CONTRACTS)")
         return dict(values)
 
@@ -245,6 +247,17 @@ class Plan:
             elif cap in exported:
                 out[cap] = exported[cap]
         return out
+
+
+def _missing_members(kind: type, value: Any) -> list[str]:
+    """The members of a protocol contract (``StepRunner``) that ``value`` lacks: what a value
+    from a plugin written against an older contract must add."""
+    if not getattr(kind, "_is_protocol", False):
+        return []
+    members = [*getattr(kind, "__annotations__", {}),
+               *(name for name, member in vars(kind).items()
+                 if callable(member) and not name.startswith("_"))]
+    return [name for name in dict.fromkeys(members) if not hasattr(value, name)]
 
 
 def _param_names(model: nn.Module) -> list[str]:
