@@ -22,7 +22,7 @@ import attrs
 
 from ..core.costs import LINEAR_ROLES
 from ..core.values import StageAction
-from ..core.values import stage_gathers as unit_gathers
+from ..core.values import stage_gathers as unit_gathers  # this module has its own
 from .shape import ModelShape, Param, kind_params, layer_kind
 from .view import PlanView, Setup
 
