@@ -197,6 +197,32 @@ def test_train_micro_batch_size_under_pp_is_refused_naming_the_train_key():
     loads_pipeline(text.replace('lr = 0.003', 'lr = 0.003\nmicro_batch_size = 2')).graph.compile()
 
 
+@pytest.mark.parametrize("microbatch,match", [
+    (3, r"local_batch_size = 4 is not divisible by microbatch_size = 3"),
+    (4, r"1 microbatches cannot fill 2 pipeline stages"),
+])
+def test_pp_microbatches_of_the_files_local_batch_are_judged_before_launch(
+        tmp_path, capsys, microbatch, match):
+    """[train] global_batch_size / dp is the local batch a pipeline schedule cuts: too few
+    microbatches were found only in the first step (a ValueError from torch in ``dryrun``)."""
+    from shardgraph.cli import main
+    from shardgraph.train.loop import compile_for
+
+    example = (Path(__file__).parents[1] / "examples" / "pp_fsdp2.toml").read_text()
+    assert "global_batch_size = 8" in example and "microbatch_size = 2" in example
+    text = example.replace("microbatch_size = 2", f"microbatch_size = {microbatch}")
+    with pytest.raises(PlanError, match=match) as err:
+        compile_for(loads_pipeline(text), 4)  # pp 2 x dp 2: a local batch of 4
+    v = err.value.violations[0]
+    assert v.keys == ("plugins.pp.microbatch_size", "train.global_batch_size")
+    assert "train.global_batch_size / dp = 8 / 2 = 4" in v.message and v.hint
+    path = tmp_path / "pp.toml"
+    path.write_text(text)
+    assert main(["dryrun", str(path), "--world-size", "4"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    compile_for(loads_pipeline(example), 4)  # 2 microbatches of 2 fill 2 stages
+
+
 def test_a_refused_seq_len_is_not_judged_again_by_the_plan():
     """``seq_len = "x"`` keeps its default for the other checks; cp's rule said the default
     (16) was not divisible by 2 * cp: a consequence, in a second line."""

@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ..core.errors import PlanError, Violation
+from ..core.errors import PlanError, PlanWarning, Violation
 from ..graphs.plan import Plan
 from . import checkpoint as ckpt
 from .config import Pipeline
@@ -65,6 +65,12 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
             f"the local batch of {train.global_batch_size // dp} sequences is not a multiple "
             f"of micro_batch_size = {train.micro_batch_size}",
             hint="choose a micro_batch_size that divides global_batch_size / dp"))
+    elif batch and graph.local_batch_size is None and not graph.packed_sequence_size:
+        # The plugins' rules on the local batch (a pipeline schedule's microbatches) are
+        # judged here, before launch, on the one this file gives: global_batch_size / dp.
+        # (With packed sequences NeMo's local_batch_size = 1 rule would read it: not derived.)
+        judged, late = _with_local_batch(graph, world_size, train.global_batch_size, dp)
+        plan, bad = (judged, bad) if judged is not None else (plan, bad + late)
     if pipeline.checkpoint.export_peft and not any(
             ckpt.ADAPTERS in plan.registry.get(s.plugin).provides for s in plan.steps):
         bad.append(Violation(
@@ -93,6 +99,25 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
     if bad:
         raise PlanError(bad)
     return plan
+
+
+def _with_local_batch(graph, world_size: int, global_batch: int,
+                      dp: int) -> tuple[Plan, list[Violation]]:
+    """The plan compiled again with ``local_batch_size = global_batch / dp`` (named by
+    ``train.global_batch_size``), and the problems that only that local batch shows, each
+    saying where its local batch comes from."""
+    local = global_batch // dp
+    derived = attrs.evolve(graph, local_batch_size=local,
+                           keys={**graph.keys, "local_batch_size": "train.global_batch_size"})
+    try:
+        with warnings.catch_warnings():  # the first compile has said them
+            warnings.simplefilter("ignore", PlanWarning)
+            return derived.compile(world_size=world_size), []
+    except PlanError as exc:
+        where = (f" (the local batch: train.global_batch_size / dp = {global_batch} / {dp} "
+                 f"= {local})")
+        return None, [attrs.evolve(v, message=v.message + where)
+                      if "train.global_batch_size" in v.keys else v for v in exc.violations]
 
 
 #: capabilities whose attention cannot keep packed documents apart

@@ -14,8 +14,9 @@ Schedules (``SCHEDULES``, case-insensitive; torch's class names work with and wi
 Looped schedules default to 2 stages per rank (``stages_per_rank`` sets more). Looped
 placement: pp rank r holds stages r, r + pp, r + 2 pp, ...; V placement: r and 2 pp - 1 - r.
 The number of microbatches is the local batch over ``microbatch_size``; ``check`` refuses what
-torch's schedules cannot run (see ``microbatch_violations``) when ``local_batch_size`` is given,
-and every step checks the same against the batch it gets.
+torch's schedules cannot run (see ``microbatch_violations``) when ``local_batch_size`` is given
+(a training file's is ``global_batch_size / dp``), and every step checks the same against the
+batch it gets.
 
 ``scale_grads_in_schedule``: torch divides the gradients by the number of microbatches after
 the step; off (the default, as in torchtitan), the loss of each microbatch is divided instead.
