@@ -223,6 +223,24 @@ def test_pp_microbatches_of_the_files_local_batch_are_judged_before_launch(
     compile_for(loads_pipeline(example), 4)  # 2 microbatches of 2 fill 2 stages
 
 
+def test_a_step_scheduler_local_batch_is_the_one_the_loop_trains_on():
+    """[step_scheduler] local_batch_size was read by the plan's rules only: one other than
+    global_batch_size / dp let pp judge 4 microbatches where 1 ran (a traceback in dryrun)."""
+    from shardgraph.train.loop import compile_for
+
+    text = (Path(__file__).parents[1] / "examples" / "pp_fsdp2.toml").read_text()
+    text = text.replace("world_size = 4", "world_size = 8")
+    with pytest.raises(PlanError, match=r"local_batch_size = 8 but each of dp = 4 ranks trains "
+                       r"on global_batch_size / dp = 8 / 4 = 2") as err:
+        compile_for(loads_pipeline(text + "[step_scheduler]\nlocal_batch_size = 8\n"), 8)
+    v = err.value.violations[0]
+    assert v.rule == "batch" and v.keys[:2] == ("step_scheduler.local_batch_size",
+                                                "train.global_batch_size")
+    assert "set step_scheduler.local_batch_size = 2" in v.hint
+    with pytest.raises(PlanError, match=r"1 microbatches cannot fill 2 pipeline stages"):
+        compile_for(loads_pipeline(text + "[step_scheduler]\nlocal_batch_size = 2\n"), 8)
+
+
 def test_a_refused_seq_len_is_not_judged_again_by_the_plan():
     """``seq_len = "x"`` keeps its default for the other checks; cp's rule said the default
     (16) was not divisible by 2 * cp: a consequence, in a second line."""

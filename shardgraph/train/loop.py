@@ -65,6 +65,15 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
             f"the local batch of {train.global_batch_size // dp} sequences is not a multiple "
             f"of micro_batch_size = {train.micro_batch_size}",
             hint="choose a micro_batch_size that divides global_batch_size / dp"))
+    elif batch and graph.local_batch_size not in (None, train.global_batch_size // dp):
+        # the loop splits global_batch_size over dp: the plan's rules judged another batch
+        local, key = train.global_batch_size // dp, graph.key("local_batch_size")
+        bad.append(Violation(
+            "batch", (key, "train.global_batch_size", nproc_key),
+            f"{key} = {graph.local_batch_size} but each of dp = {dp} ranks trains on "
+            f"global_batch_size / dp = {train.global_batch_size} / {dp} = {local} sequences",
+            hint=f"set {key} = {local}, or remove it (train.global_batch_size sizes the "
+            "local batch)"))
     elif batch and graph.local_batch_size is None and not graph.packed_sequence_size:
         # The plugins' rules on the local batch (a pipeline schedule's microbatches) are
         # judged here, before launch, on the one this file gives: global_batch_size / dp.
