@@ -51,6 +51,18 @@ def test_bad_options_are_refused_at_compile_time(options, key, match):
     assert info.value.key == key
 
 
+@pytest.mark.parametrize("lora", [{"match_all_linear": True}, {"target_modules": "q_proj"}])
+def test_lora_under_float8_is_refused_at_compile_time(lora):
+    """torchao replaces each linear with a new Float8Linear: lora then found no nn.Linear to
+    adapt, froze the whole model and left nothing to train (the optimizer's 'empty parameter
+    list' in every worker)."""
+    with pytest.raises(PlanError, match=r"float8 does not support lora") as info:
+        Graph().add("lora", **lora).add("float8", emulate=True).compile(world_size=1)
+    assert info.value.rule == "conflicts"
+    assert set(info.value.keys) == {"plugins.float8", "plugins.lora"}
+    assert info.value.violations[0].hint
+
+
 @pytest.mark.skipif(HAS_FLOAT8_GPU, reason="this machine has a float8 GPU")
 def test_without_a_float8_gpu_the_model_check_refuses_and_changes_nothing():
     plan = Graph().add("float8").compile(world_size=1)

@@ -165,6 +165,9 @@ PLUGIN = Plugin(
     options=Float8Options,
     provides={"float8"},
     reads={"fully_shard"},  # a parameter-sharding strategy: all-gather the weights in float8
+    # torchao swaps each linear for a new Float8Linear: an adapted linear would lose its
+    # adapters, and an adapter step after it finds no plain nn.Linear to adapt (nothing trains)
+    conflicts={"low_rank_adapters"},
     before={"tensor_parallel", "activation_checkpointing", "data_parallel"},
     check=_check,
     model_check=_model_check,
