@@ -1274,3 +1274,12 @@ def test_a_short_reduction_costs_a_matmul_its_tiles_fixed_share():
     assert eff(tp, FITTED.k0) / eff(fsdp, FITTED.k0) < eff(tp, 0.0) / eff(fsdp, 0.0)
     assert min(k for _, k, _ in linear_shapes(tp.shape, 8, 1, 1, 8192, "dense")) == 512
     assert eff(fsdp, FITTED.k0) / eff(fsdp, 0.0) > 1 - 1.5 * FITTED.k0 / 4096
+
+
+def test_the_search_suggests_no_software_the_plan_declares_a_conflict_with():
+    """float8 conflicts with lora (torchao's swap would drop the adapters): a LoRA plan was
+    told that adding float8 makes it faster, a plan the compiler then refuses."""
+    tuned = EIGHT_B + "[plugins.lora]\nrank = 16\nmatch_all_linear = true\n"
+    found = autoplan(tuned, 8, top=1)
+    suggested = [s["plugin"] for s in found["software"]]
+    assert "compile" in suggested and "float8" not in suggested

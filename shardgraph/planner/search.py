@@ -459,7 +459,7 @@ def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any]
     layout = cand.layout(view.world, view.gpn)
     for capability, what in (*SOFTWARE.items(), *MEMORY_SOFTWARE.items()):
         plugin = provider(registry, capability)
-        if plugin is None or plugin.name in base.options:
+        if plugin is None or plugin.name in base.options or _clashes(registry, plugin, base):
             continue
         added = Base({**base.options, plugin.name: {}}, (*base.kept, plugin.name))
         cost, unpriced = declared(registry, cand.plugins(added, names), layout)
@@ -481,6 +481,13 @@ def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any]
                         "why": f"adding {plugin.name} to #1 ({what}): {gain:.1%} faster "
                         f"per step{less}"})
     return out
+
+
+def _clashes(registry, plugin, base: Base) -> bool:
+    """Whether ``plugin`` declares a conflict with one of the user's plugins (float8 with
+    lora): the compiler would refuse the plan it suggests."""
+    kept = [registry.get(name) for name in base.options if name in registry]
+    return any(plugin.conflicts & p.provides or p.conflicts & plugin.provides for p in kept)
 
 
 def _rank(scored: tuple) -> tuple[float, float]:
