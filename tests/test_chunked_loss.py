@@ -2,7 +2,7 @@
 
 Equivalence: the recipe of ``test_same_numbers`` (three AdamW steps, weight decay, an active
 clip, accumulation, masked labels; the plain-torch reference in one process) with
-``chunk_size = 5``, which divides no micro-batch's count of tokens, under fsdp2, tp (gathered
+``chunk_size = 5``, which divides no micro-batch's count of tokens, under fsdp2, ddp, tp (gathered
 head and ``loss_parallel``), tp + sp, cp, cp x tp, pp x tp and ep x dp at world 4: per-step
 losses within 1e-5, gradient norms within 1e-5 relative, parameters within 1e-3 but the faint
 elements within lr (the tolerances, and why, are ``test_same_numbers``'s).
@@ -34,6 +34,8 @@ CHUNK = 5
 LAYOUTS = {
     # name: (model, graph, micro-batch size)
     "fsdp2": ("llama", lambda: Graph().add("fsdp2"), 1),
+    # ddp wraps the model: its LM head is behind DistributedDataParallel.module
+    "ddp": ("llama", lambda: Graph().add("ddp"), 1),
     "tp2_fsdp2": ("llama", lambda: Graph().add("tp", size=2).add("fsdp2"), 2),
     "tp2_loss_parallel": ("llama", lambda: Graph().add("tp", size=2, loss_parallel=True)
                           .add("fsdp2"), 2),

@@ -122,10 +122,18 @@ class _ChunkedLoss:
     def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         if self.sharding is not None:  # fsdp2 resharded the root (and the head) after forward
             self.sharding.unshard(self.model)
-        head = output_embeddings(self.model)
+        head = _head(self.model)
         hidden = getattr(output, "logits", output)
         return kernel.linear_cross_entropy(hidden, head.weight, head.bias, labels,
                                            self.chunk_size)
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    """The LM head ``apply`` made hand its input on, found by that mark: a strategy that wraps
+    the model (ddp's ``DistributedDataParallel``) hides transformers' ``get_output_embeddings``
+    behind its ``.module``. None on a pipeline rank without the head."""
+    return next((m for m in model.modules() if m.__dict__.get("forward") is _passthrough),
+                None)
 
 
 def _loss(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
@@ -142,7 +150,7 @@ def _collectives(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext
     """The kernel's reductions over tp where tp splits the head's vocabulary (none elsewhere, nor
     on a pipeline rank without the head), for each forward's labelled tokens (``_labelled``)."""
     layout: TPLayout | None = inputs.get("tensor_parallel")
-    if layout is None or layout.head not in layout.colwise() or output_embeddings(model) is None:
+    if layout is None or layout.head not in layout.colwise() or _head(model) is None:
         return []
     sequences = batch.local_batch // batch.forwards
     labelled = sequences * _labelled(batch.seq_len, inputs.get("context_parallel"), ctx)
