@@ -223,6 +223,19 @@ def test_pp_microbatches_of_the_files_local_batch_are_judged_before_launch(
     compile_for(loads_pipeline(example), 4)  # 2 microbatches of 2 fill 2 stages
 
 
+def test_pp_microbatches_the_compile_did_not_judge_are_refused_by_the_dryrun():
+    """With packed sequences the file's local batch is not handed to the plan's rules; the
+    dry run's schedule table for too few microbatches was torch's ValueError."""
+    from shardgraph.train.dryrun import dryrun
+
+    text = (Path(__file__).parents[1] / "examples" / "pp_fsdp2.toml").read_text()
+    text = text.replace("microbatch_size = 2", "microbatch_size = 4")
+    pipeline = loads_pipeline(text + "[packed_sequence]\npacked_sequence_size = 32\n")
+    with pytest.raises(PlanError, match=r"1 microbatches cannot fill 2 pipeline stages") as err:
+        dryrun(pipeline, world_size=4)
+    assert "plugins.pp.microbatch_size" in err.value.keys
+
+
 def test_a_step_scheduler_local_batch_is_the_one_the_loop_trains_on():
     """[step_scheduler] local_batch_size was read by the plan's rules only: one other than
     global_batch_size / dp let pp judge 4 microbatches where 1 ran (a traceback in dryrun)."""

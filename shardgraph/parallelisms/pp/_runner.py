@@ -228,6 +228,9 @@ class Pipeline:
         unshard and reshard of whole stages, at most 3 gathered at once, and each stage's
         gradient reduction after its last backward), a single-stage one its loop, whose order
         its table (``pipeline_order``) gives. None where the schedule has no table."""
+        bad = self._rules(n_microbatches * self.options.microbatch_size)  # as a step would
+        if bad:
+            raise PlanError(bad)
         schedule = self._build(n_microbatches, scale_grads=False)
         table = getattr(schedule, "pipeline_order_with_comms", None) or schedule.pipeline_order
         if table is None:
