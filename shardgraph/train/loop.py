@@ -111,7 +111,7 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
 
 
 def _with_local_batch(graph, world_size: int, global_batch: int,
-                      dp: int) -> tuple[Plan, list[Violation]]:
+                      dp: int) -> tuple[Plan | None, list[Violation]]:
     """The plan compiled again with ``local_batch_size = global_batch / dp`` (named by
     ``train.global_batch_size``), and the problems that only that local batch shows, each
     saying where its local batch comes from."""
