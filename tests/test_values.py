@@ -164,12 +164,9 @@ def test_a_value_of_another_type_than_its_contract_is_refused():
     wrong = Plugin(name="wrong_precision", kind=Kind.POLICY, provides={"precision_policy"},
                    before={"data_parallel"},
                    export=lambda options, layout, inputs: {"precision_policy": "bf16"})
+    _refused_export(wrong, "exported str for capability 'precision_policy', whose contract is "
+                           "a PrecisionPolicy")
     registry = builtin_registry()
-    registry.register(wrong)
-    plan = Graph().add("fsdp2").add("wrong_precision").compile(world_size=2, registry=registry)
-    with pytest.raises(TypeError, match="exported str for capability 'precision_policy', whose "
-                                        "contract is a PrecisionPolicy"):
-        plan.exported()
     right = attrs.evolve(wrong, name="right", export=lambda options, layout, inputs: {
         "precision_policy": PrecisionPolicy("fp16")})
     registry.register(right)
@@ -195,11 +192,16 @@ def test_a_pipeline_value_of_an_older_contract_is_told_what_it_lacks():
 
     old = Plugin(name="old_pipeline", kind=Kind.POLICY, provides={"pipeline_parallel"},
                  export=lambda options, layout, inputs: {"pipeline_parallel": OldRunner()})
+    _refused_export(old, "exported OldRunner for capability 'pipeline_parallel', whose "
+                         "contract is a StepRunner: it lacks idle, actions")
+
+
+def _refused_export(plugin: Plugin, message: str) -> None:
+    """``plugin`` beside fsdp2 compiles, and the value it exports is refused with ``message``."""
     registry = builtin_registry()
-    registry.register(old)
-    plan = Graph().add("fsdp2").add("old_pipeline").compile(world_size=2, registry=registry)
-    with pytest.raises(TypeError, match="exported OldRunner for capability 'pipeline_parallel', "
-                                        "whose contract is a StepRunner: it lacks idle, actions"):
+    registry.register(plugin)
+    plan = Graph().add("fsdp2").add(plugin.name).compile(world_size=2, registry=registry)
+    with pytest.raises(TypeError, match=message):
         plan.exported()
 
 
