@@ -116,15 +116,15 @@ class _ChunkedLoss:
     for this forward (fsdp2's unsharded parameter, tp's vocabulary shard)."""
 
     model: Any
+    head: Any  # the LM head (``_head``), found once
     chunk_size: int
     sharding: Any  # the strategy's ShardUnit, where it shards parameters
 
     def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         if self.sharding is not None:  # fsdp2 resharded the root (and the head) after forward
             self.sharding.unshard(self.model)
-        head = _head(self.model)
         hidden = getattr(output, "logits", output)
-        return kernel.linear_cross_entropy(hidden, head.weight, head.bias, labels,
+        return kernel.linear_cross_entropy(hidden, self.head.weight, self.head.bias, labels,
                                            self.chunk_size)
 
 
@@ -138,7 +138,7 @@ def _head(model: nn.Module) -> nn.Module | None:
 
 def _loss(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
           inputs: dict[str, Any]) -> _ChunkedLoss:
-    return _ChunkedLoss(model, options.chunk_size, inputs.get("fully_shard"))
+    return _ChunkedLoss(model, _head(model), options.chunk_size, inputs.get("fully_shard"))
 
 
 def _export(options: ChunkedLossOptions, layout, inputs: dict[str, Any]) -> dict[str, Any]:
