@@ -577,7 +577,14 @@ def fit() -> Efficiency:
     B200 took (0.63, 0.6) and no other constant moved: MLPerf's GPT-3 on 64 B200s came within
     15% (+22% -> +12%) and Megatron-Bridge's GB200 405B runs within 8%, but the 37 other held-out
     dense B200 and GB200 rows went from 7.1% to 7.5% (their mean from -1.8% to -5.2%: MLPerf's
-    405B runs with cp 2 to -3% to -7%): left out."""
+    405B runs with cp 2 to -3% to -7%): left out.
+
+    Tried and left out, the knee moving with a GPU's ridge point (``x0`` times its FLOPs per
+    HBM byte over A100-80GB's, to a power p; December 2026): llm-foundry's size sweep, one
+    stack on A100 and H100 (ridge points 153 and 295), is what could pin p, and it chose p = 0
+    (the stage-one loss 0.462 at p = 0, 0.475 at 0.25, 0.489 at 0.5, 0.493 at 1). Refitted at
+    p = 0.5 the held-out dense MAPE was 4.66% (17 rows past 15%) and at p = 1 4.99% (21 past
+    15%, B200's ceiling and share at 0.84 and 0.3): a p chosen on the held-out rows."""
     fit_rows, stacks = joint_fit_rows(), stack_fit_rows()
     both = {r.gpu.name for r in fit_rows} & {r.gpu.name for r in stacks}
     if both:
