@@ -536,3 +536,23 @@ def test_a_model_the_planner_has_no_shape_for_comes_with_the_plans_problems(tmp_
     assert "model.architecture" in keys
     rules, keys = _reported(["plan", path, "--auto", "--world-size", "8", "--top", "0"], capsys)
     assert {"model", "value"} <= rules and {"model.architecture", "--top"} <= keys, keys
+
+
+def test_estimate_refuses_a_local_batch_the_loop_does_not_train_on_as_train_does(tmp_path,
+                                                                                  capsys):
+    """[step_scheduler] local_batch_size = 8 where each of dp = 4 ranks trains on 8 / 4 = 2:
+    train and dryrun named it, estimate said instead that 2 sequences in microbatches of 2
+    cannot fill pp = 2 stages (its own batch rule, on the batch the file did not give)."""
+    text = (ROOT / "examples" / "pp_fsdp2.toml").read_text()
+    path = _write(tmp_path, "l.toml", text.replace("world_size = 4", "world_size = 8")
+                  + "[step_scheduler]\nlocal_batch_size = 8\n")
+    problem = ("  - [batch] step_scheduler.local_batch_size, train.global_batch_size, {}: "
+               "step_scheduler.local_batch_size = 8 but each of dp = 4 ranks trains on "
+               "global_batch_size / dp = 8 / 4 = 2 sequences\n    fix: set "
+               "step_scheduler.local_batch_size = 2, or remove it (train.global_batch_size "
+               "sizes the local batch)\n")
+    for args, world in ((["estimate", path], "--world-size"), (["dryrun", path], "--world-size"),
+                        (["train", path], "--nproc")):
+        assert _dist.command(*args) == 2, args
+        err = capsys.readouterr().err
+        assert err.endswith(":\n" + problem.format(world)), (args, err)  # that one, alone

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from ..core.batch import batch_split_violations
 from ..core.errors import PlanError, Violation, reported_under
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
@@ -34,19 +35,18 @@ def setup_of(pipeline) -> Setup:
                  micro_batch=t.micro_batch_size, optimizer_states=states)
 
 
-def batch_violations(v: PlanView, setup: Setup, world_key: str) -> list[Violation]:
-    """The training loop's batch rules (``train.loop.compile_for``), without torch."""
-    if setup.global_batch % v.dp:
-        return [Violation("batch", ("train.global_batch_size", world_key),
-                          f"global_batch_size = {setup.global_batch} cannot be split over "
-                          f"dp = {v.dp} data-parallel ranks",
-                          hint=f"use a multiple of {v.dp}, or fewer processes")]
+def batch_violations(v: PlanView, setup: Setup, world_key: str, *,
+                     local_batch: int | None = None,
+                     local_key: str = "local_batch_size") -> list[Violation]:
+    """The training loop's batch rules (``train.loop.compile_for``'s, the same
+    ``batch_split_violations``), then the pipeline's microbatches of the local batch the loop
+    trains on (``train`` judges those by compiling again with it). ``local_batch``: the
+    file's local batch (``local_key``), refused when it is not ``global_batch / dp``."""
+    split = batch_split_violations(setup.global_batch, setup.micro_batch, v.dp, world_key,
+                                   local_batch=local_batch, local_key=local_key)
+    if split:
+        return split
     local = setup.global_batch // v.dp
-    if setup.micro_batch and local % setup.micro_batch:
-        return [Violation("batch", ("train.micro_batch_size", "train.global_batch_size"),
-                          f"the local batch of {local} sequences is not a multiple of "
-                          f"micro_batch_size = {setup.micro_batch}",
-                          hint="choose a micro_batch_size that divides global_batch_size / dp")]
     if v.pp > 1 and v.microbatch_size and (local % v.microbatch_size
                                            or local // v.microbatch_size < v.pp):
         return [Violation("batch", ("plugins.pp.microbatch_size", "train.global_batch_size"),
@@ -332,7 +332,9 @@ def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = No
     v = plan_view(plan)
     setup = setup_of(pipeline)
     if not reported_under(problems, "train.global_batch_size", "train.micro_batch_size"):
-        bad += batch_violations(v, setup, world_key)
+        graph = pipeline.graph
+        bad += batch_violations(v, setup, world_key, local_batch=graph.local_batch_size,
+                                local_key=graph.key("local_batch_size"))
     if not reported_under(problems, "model", "data.seq_len"):
         bad += model_violations(shape, v, setup)
     if bad:

@@ -22,6 +22,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ..core.batch import batch_split_violations
 from ..core.errors import PlanError, PlanWarning, Violation
 from ..graphs.plan import Plan
 from . import checkpoint as ckpt
@@ -53,33 +54,18 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": nproc_key})
     plan = graph.compile(world_size=world_size)
     dp, train = plan.layout.dp, pipeline.train
-    if batch and train.global_batch_size % dp:
-        bad.append(Violation(
-            "batch", ("train.global_batch_size", nproc_key),
-            f"global_batch_size = {train.global_batch_size} cannot be split over "
-            f"dp = {dp} data-parallel ranks", hint=f"use a multiple of {dp}, or fewer processes"))
-    elif batch and train.micro_batch_size and \
-            (train.global_batch_size // dp) % train.micro_batch_size:
-        bad.append(Violation(
-            "batch", ("train.micro_batch_size", "train.global_batch_size"),
-            f"the local batch of {train.global_batch_size // dp} sequences is not a multiple "
-            f"of micro_batch_size = {train.micro_batch_size}",
-            hint="choose a micro_batch_size that divides global_batch_size / dp"))
-    elif batch and graph.local_batch_size not in (None, train.global_batch_size // dp):
-        # the loop splits global_batch_size over dp: the plan's rules judged another batch
-        local, key = train.global_batch_size // dp, graph.key("local_batch_size")
-        bad.append(Violation(
-            "batch", (key, "train.global_batch_size", nproc_key),
-            f"{key} = {graph.local_batch_size} but each of dp = {dp} ranks trains on "
-            f"global_batch_size / dp = {train.global_batch_size} / {dp} = {local} sequences",
-            hint=f"set {key} = {local}, or remove it (train.global_batch_size sizes the "
-            "local batch)"))
-    elif batch and graph.local_batch_size is None and not graph.packed_sequence_size:
-        # The plugins' rules on the local batch (a pipeline schedule's microbatches) are
-        # judged here, before launch, on the one this file gives: global_batch_size / dp.
-        # (With packed sequences NeMo's local_batch_size = 1 rule would read it: not derived.)
-        judged, late = _with_local_batch(graph, world_size, train.global_batch_size, dp)
-        plan, bad = (judged, bad) if judged is not None else (plan, bad + late)
+    if batch:
+        split = batch_split_violations(train.global_batch_size, train.micro_batch_size, dp,
+                                       nproc_key, local_batch=graph.local_batch_size,
+                                       local_key=graph.key("local_batch_size"))
+        bad += split
+        if not split and graph.local_batch_size is None and not graph.packed_sequence_size:
+            # The plugins' rules on the local batch (a pipeline schedule's microbatches) are
+            # judged here, before launch, on the one this file gives: global_batch_size / dp.
+            # (With packed sequences NeMo's local_batch_size = 1 rule would read it: not
+            # derived.)
+            judged, late = _with_local_batch(graph, world_size, train.global_batch_size, dp)
+            plan, bad = (judged, bad) if judged is not None else (plan, bad + late)
     if pipeline.checkpoint.export_peft and not any(
             ckpt.ADAPTERS in plan.registry.get(s.plugin).provides for s in plan.steps):
         bad.append(Violation(
