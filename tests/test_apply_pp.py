@@ -476,6 +476,38 @@ def test_full_checkpointing_under_a_backward_in_two_passes(world2, world4):
         assert runs == {0: 2, 1: 3, 2: 3, 3: 3}, (name, runs)
 
 
+def test_the_weight_pass_runs_the_groups_last_block_first_and_leaves_the_callers_list():
+    """``weight_pass`` reversed torch's ``param_groups`` list in place (the list torch's stage
+    keeps for the micro-batch); it hands the pass a reversed copy: the caller's list is
+    unchanged and the gradients are those of one whole backward, bit for bit."""
+    from torch.distributed.pipelining._backward import (stage_backward_input,
+                                                        stage_backward_weight)
+
+    from shardgraph.parallelisms.pp._runner import weight_pass
+
+    x0 = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))
+
+    def part():  # a middle stage: blocks and the head, its input the residual stream
+        model = tiny_llama(layers=2)
+        x = x0.clone().requires_grad_()
+        params = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
+        return model, x, params, model(inputs_embeds=x).logits.square().mean()
+
+    model, x, params, loss = part()
+    _, groups = stage_backward_input([loss], None, [x], iter(params))
+    given = [id(g) for g in groups]
+    assert len(given) > 2
+    with weight_pass(groups) as order:
+        assert [id(g) for g in order] == given[::-1]
+        stage_backward_weight(iter(params), order)
+    assert [id(g) for g in groups] == given
+    ref, ref_x, ref_params, ref_loss = part()
+    ref_loss.backward()
+    assert torch.equal(x.grad, ref_x.grad)
+    assert all(p.grad is not None and torch.equal(p.grad, r.grad)
+               for p, r in zip(params, ref_params, strict=True))
+
+
 def test_mixed_precision_without_a_strategy_autocasts_every_stage(world2):
     _matches(world2, "mp", loss_tol=1e-2, param_tol=1e-3)
     assert all(r["mp"]["sent_dtypes"] == ["torch.bfloat16"] for r in world2)

@@ -508,8 +508,8 @@ def test_pps_weight_pass_recomputes_a_checkpointed_block_once(arch, monkeypatch)
             return out
 
         monkeypatch.setattr(torch.autograd, "grad", sampled)
-        with weight_pass(groups):
-            stage_backward_weight(iter(params), groups)
+        with weight_pass(groups) as order:
+            stage_backward_weight(iter(params), order)
         monkeypatch.undo()
         del groups, loss
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -81,9 +81,10 @@ class TiedWeights:
 
 
 @contextlib.contextmanager
-def weight_pass(param_groups: list[dict[str, Any]]) -> Iterator[None]:
-    """Run one micro-batch's weight-gradient pass (torch's ``stage_backward_weight`` over
-    ``param_groups``, as ``stage_backward_input`` returned them) inside.
+def weight_pass(param_groups: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """Run one micro-batch's weight-gradient pass (torch's ``stage_backward_weight`` over the
+    groups this yields) inside. ``param_groups``: as ``stage_backward_input`` returned them;
+    the caller's list is not changed.
 
     torch calls autograd once per parameter group (one per weight of a block), and a
     non-reentrant checkpoint recomputes its region once per autograd call (it keys what it
@@ -92,15 +93,14 @@ def weight_pass(param_groups: list[dict[str, Any]]) -> Iterator[None]:
     recomputed tensor freed when its node reads it. The groups run over disjoint nodes (torch
     merges groups that share one), as the group requires.
 
-    The groups then run from the last block to the first: a node of the input pass that no
-    weight needs is freed with the last group whose nodes reach it, so a top block's such
-    nodes (their saved tensors, or what the checkpoint recomputed for them) go as soon as its
-    weights are done instead of staying until the pass ends (torch's order, first block
-    first). Each weight is in one group: the gradients do not depend on the order.
+    The groups yielded are ``param_groups`` from the last block to the first: a node of the
+    input pass that no weight needs is freed with the last group whose nodes reach it, so a
+    top block's such nodes (their saved tensors, or what the checkpoint recomputed for them) go
+    as soon as its weights are done instead of staying until the pass ends (torch's order,
+    first block first). Each weight is in one group: the gradients do not depend on the order.
     """
-    param_groups.reverse()
     with GraphExecGroup():
-        yield
+        yield param_groups[::-1]
 
 
 class _Stage(PipelineStage):
@@ -110,8 +110,9 @@ class _Stage(PipelineStage):
                                    last_backward: bool = False):
         if backward_type != "weight":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with weight_pass(bwd_kwargs["param_groups"]):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with weight_pass(bwd_kwargs["param_groups"]) as groups:
+            return super().backward_maybe_with_nosync(
+                backward_type, {**bwd_kwargs, "param_groups": groups}, last_backward)
 
 
 class Pipeline:
