@@ -355,6 +355,9 @@ def test_keeping_the_router_is_refused_where_backward_is_split(schedule):
     assert info.value.rule == "conflicts"
     assert info.value.keys == ("plugins.pp.schedule", "plugins.ep.ignore_router_for_ac")
     assert "set ignore_router_for_ac = false" in str(info.value)
+    # why, declared by ep (OptionFlag.why), not only that the two do not go together
+    assert "recomputes a checkpointed block twice a micro-batch (in the input pass and in the " \
+        "weight pass" in info.value.violations[0].message
     assert graph(schedule, keep=False).compile(world_size=4)
     assert graph("1f1b").compile(world_size=4)
 

@@ -331,7 +331,7 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
                 f"{r.plugin.name} does not support {other.plugin.name} "
                 f"({', '.join(sorted(clash))})" + "".join(
                     f"; {e.entry.origin(f.key)} = {getattr(e.options, f.key)!r} sets it"
-                    for e, f in set_by),
+                    for e, f in set_by) + "".join(f": {f.why}" for _, f in set_by if f.why),
                 hint="; ".join([f.fix for _, f in set_by] + [hint]), plugin=r.plugin.name,
             ))
     providers: dict[str, list[_Resolved]] = {}

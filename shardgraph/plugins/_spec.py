@@ -97,10 +97,13 @@ HOOKS: dict[str, tuple[str, ...]] = {
 @attrs.frozen
 class OptionFlag:
     """A capability flag that one of a plugin's options sets: ``key`` names that option
-    (``"schedule"``), ``fix`` says how to drop the flag (a conflict's report shows it)."""
+    (``"schedule"``), ``fix`` says how to drop the flag (a conflict's report shows it), and
+    ``why``, where given, why the option cannot go with the other plugin's flag (the report
+    says it after the options that set the flags)."""
 
     key: str
     fix: str
+    why: str = ""
 
 
 def hook_problem(name: str, hook: Any) -> str | None:

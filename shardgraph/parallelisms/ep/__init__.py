@@ -62,14 +62,33 @@ def _check(options: EPOptions, layout, settings) -> list[Violation]:
 
 def _conflicts_with(options: EPOptions) -> dict[str, OptionFlag]:
     """ignore_router_for_ac cannot keep the router's outputs under a schedule that splits
-    backward: there a checkpointed block is recomputed by torch's plain checkpoint, once for
-    the input gradients and once more in the weight pass, and ``Recomputation`` cannot tell the
-    router it is recomputing. Refused rather than recomputing the router silently (without
-    checkpointing the option has no effect anyway)."""
+    backward, for two reasons (``_router``):
+
+    - there activation checkpointing wraps each block in torch's plain non-reentrant
+      checkpoint (the composable one fails in a second pass), whose recompute the
+      ``Recomputation`` contract cannot see (``recomputing`` answers from the composable
+      checkpoint's state): the router would run again in every recompute, silently;
+    - each micro-batch's block is recomputed twice, in the input pass and again in the weight
+      pass, and a zero-bubble schedule runs later micro-batches' input passes between the two:
+      the router's kept outputs serve one recompute (the first takes them, and a later one
+      drops the entries before its match), so the weight pass would recompute it anyway.
+
+    Measured (one process, a 2-layer Qwen3-MoE, two micro-batches in zero-bubble order): the
+    router ran 12 times where it runs 4 without checkpointing. Supporting it needs the plain
+    checkpoint's phases (its only entry is ``context_fn``, which under ``torch.compile`` must
+    return ``TorchDispatchMode``s: a plain context there fails compile with checkpointing under
+    these schedules) and a place for the kept outputs that lives as long as the checkpoint
+    call's saved activations, which ``Recomputation`` does not offer. Refused rather than
+    recomputing the router silently (without checkpointing the option has no effect
+    anyway)."""
     if not options.ignore_router_for_ac:
         return {}
     return {"split_backward": OptionFlag(
-        "ignore_router_for_ac", "set ignore_router_for_ac = false under this schedule")}
+        "ignore_router_for_ac", "set ignore_router_for_ac = false under this schedule (the "
+        "router is then recomputed with its checkpointed block)",
+        why="such a schedule recomputes a checkpointed block twice a micro-batch (in the input "
+        "pass and in the weight pass, with torch's plain checkpoint), and the router's kept "
+        "outputs cannot serve those recomputes: the router would be recomputed anyway")}
 
 
 def _expert_placement(experts: nn.Module, ep_shard: int):
