@@ -362,6 +362,41 @@ def test_keeping_the_router_is_refused_where_backward_is_split(schedule):
     assert graph("1f1b").compile(world_size=4)
 
 
+def test_a_kept_router_leaves_nothing_of_a_forward_alive_once_it_is_done():
+    """The router's inner saved-tensor hooks packed each tensor as itself: a node that saves
+    its own output (the router's softmax) then held itself, and a forward run with grad but
+    never backpropagated kept its graph for good (every block's checkpoint frame and what it
+    reaches), however many steps followed. torch's rule for a pack hook: return
+    ``x.detach()``, not ``x``. Frames are counted from the garbage collector's objects (torch's
+    private ``_CheckpointFrame``, one per checkpointed block and forward)."""
+    import gc
+
+    from torch.distributed._composable import checkpoint
+    from torch.utils.checkpoint import _CheckpointFrame
+
+    from shardgraph.core.values import Recomputation
+    from shardgraph.parallelisms.activation_checkpointing import _recomputing
+    from shardgraph.parallelisms.ep._layers import moe_layers
+    from shardgraph.parallelisms.ep._router import keep_router_outputs
+
+    def frames() -> int:
+        gc.collect()
+        return sum(type(o) is _CheckpointFrame for o in gc.get_objects())
+
+    model = tiny_qwen3_moe(4)
+    for layer in moe_layers(model):
+        keep_router_outputs(layer.router, layer.ancestors, Recomputation(_recomputing))
+    for block in model.model.layers:
+        checkpoint(block)
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    before = frames()
+    for _ in range(2):
+        model(input_ids=tokens.flip(0))  # with grad, never backpropagated
+        model(input_ids=tokens, labels=tokens).loss.backward()  # its recompute drops the stale
+    assert [len(layer.router._ep_kept) for layer in moe_layers(model)] == [0] * LAYERS
+    assert frames() == before
+
+
 @pytest.mark.multiprocess
 def test_the_strategys_cpu_offload_reaches_the_experts_unit(world2):
     _matches_reference(world2, "ep2_offload")

@@ -59,6 +59,13 @@ def _recomputing(router: nn.Module) -> bool | None:
     return None
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # not the tensor itself: a node that saves its own output (softmax) would hold itself, and
+    # a forward never backpropagated would keep its graph for good (torch's saved_tensors_hooks
+    # warns of this reference cycle)
+    return tensor.detach()
+
+
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -72,7 +79,7 @@ def _kept_forward(self: nn.Module, forward, inputs: torch.Tensor, *args, **kwarg
         kept = _take(self._ep_kept, inputs)
         if kept is not None:
             return kept
-    with saved_tensors_hooks(_identity, _identity):
+    with saved_tensors_hooks(_detached, _identity):
         out = forward(self, inputs, *args, **kwargs)
     if not recomputing:
         # The router saved its input for its own backward: keeping it costs no memory.
