@@ -3,21 +3,26 @@
 Why not peft's wrapper (a ``LoraLayer`` holding the linear as ``base_layer``): it renames every
 base parameter (``q_proj.weight`` -> ``q_proj.base_layer.weight``), so a checkpoint of the base
 model no longer loads by name and every plugin keyed on FQNs (tp's plan, fsdp2's blocks, HF
-loading) would have to learn the new names. Here the targeted linear's class becomes
-:class:`LoRALinear` in place (a subclass: ``isinstance(m, nn.Linear)`` still holds, tp's styles
-and HF's plans still match it), its own parameters stay where they were, and the adapters are
-children named as peft names them (``lora_A``, ``lora_B``), so an adapter's state-dict keys are
-peft's (``...q_proj.lora_A.weight``) once the ``base_model.model.`` prefix is added.
+loading) would have to learn the new names. Here the targeted linear's class becomes a LoRA
+class in place (a subclass of its own class: ``isinstance(m, nn.Linear)`` still holds, tp's
+styles and HF's plans still match it), its own parameters stay where they were, and the adapters
+are children named as peft names them (``lora_A``, ``lora_B``), so an adapter's state-dict keys
+are peft's (``...q_proj.lora_A.weight``) once the ``base_model.model.`` prefix is added.
+
+The LoRA class is made per base class (:func:`lora_class`): :class:`LoRALinear` over
+``nn.Linear``, and over a linear another step converted (float8's ``Float8Linear``) a subclass of
+both, whose base output is that class's own forward (torchao's float8 matmul); the adapters are
+plain ``nn.Linear`` subclasses in the weight's dtype either way.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 class _Adapter(nn.Linear):
@@ -58,22 +63,39 @@ class LoRAUp(_Adapter):
 class LoRALinear(nn.Linear):
     """``base(x) + lora_B(lora_A(dropout(x)) * scaling)`` (created by :func:`adapt`): the
     rank-wide product is scaled, not the output (a multiply of ``rank`` values per token
-    instead of a read and a write of the whole output)."""
+    instead of a read and a write of the whole output). ``base(x)`` is the next class's forward
+    in the MRO: ``nn.Linear``'s here, the converted linear's in a :func:`lora_class` over it."""
 
     scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = super().forward(x)
         return out + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
+
+
+@functools.cache
+def lora_class(base: type[nn.Linear]) -> type[LoRALinear]:
+    """The LoRA class over ``base``: :class:`LoRALinear` for ``nn.Linear``; for a subclass
+    (torchao's ``Float8Linear``) ``LoRA<base name>(LoRALinear, base)``, made once, whose
+    frozen output is ``base.forward``. It is set on this module under its name, so that a
+    pickled model finds it again."""
+    if base is nn.Linear:
+        return LoRALinear
+    name = f"LoRA{base.__name__}"
+    cls = type(name, (LoRALinear, base), {"__module__": __name__, "__qualname__": name,
+                                          "__doc__": f"LoRA over {base.__module__}."
+                                                     f"{base.__qualname__}: {LoRALinear.__doc__}"})
+    globals().setdefault(name, cls)
+    return cls
 
 
 def adapt(module: nn.Linear, fqn: str, *, rank: int, alpha: float, dropout: float,
           seed: int) -> LoRALinear:
-    """Turn ``module`` (at ``fqn``) into a :class:`LoRALinear` in place (same object, same
+    """Turn ``module`` (at ``fqn``) into its :func:`lora_class` in place (same object, same
     parameters), with adapters on the base weight's device and dtype, drawn unless on ``meta``
     (a meta model's are drawn when the weights layer fills it)."""
     w = module.weight
-    module.__class__ = LoRALinear
+    module.__class__ = lora_class(type(module))
     module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     module.lora_A = LoRADown(module.in_features, rank, bias=False, device=w.device, dtype=w.dtype)
     module.lora_B = LoRAUp(rank, module.out_features, bias=False, device=w.device, dtype=w.dtype)
