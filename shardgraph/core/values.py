@@ -318,7 +318,12 @@ class StepRunner(Protocol):
 @attrs.frozen
 class Float8Training:
     """What float8 converted (capability ``float8``): its recipe, the FQNs of the linears now
-    computing in float8, and whether their weights all-gather in float8 under the strategy."""
+    computing in float8, and whether their weights all-gather in float8 under the strategy.
+
+    Each module named in ``modules`` is an ``nn.Linear`` subclass (torchao's ``Float8Linear``)
+    that keeps its ``weight`` and ``bias`` and whose forward computes the same linear map with
+    float8 operands: a later step may adapt it as a linear (LoRA puts its adapters beside it and
+    calls that forward for the base's output)."""
 
     recipe: str
     modules: tuple[str, ...]

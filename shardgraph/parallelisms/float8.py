@@ -4,13 +4,24 @@ Each selected ``nn.Linear`` becomes torchao's ``Float8Linear`` (``convert_to_flo
 its inputs, weights and output gradients are cast to float8 with dynamic scales, per tensor
 (``recipe = "tensorwise"``) or per row (``"rowwise"``), and multiplied by ``torch._scaled_mm``.
 The LM head is never converted (its logits feed the loss), nor a linear whose dims are not both
-divisible by 16 (``_scaled_mm``'s rule), nor one matched by ``filter_fqns`` (FQN globs).
+divisible by 16 (``_scaled_mm``'s rule), nor one matched by ``filter_fqns`` (FQN globs), nor a
+subclass of ``nn.Linear`` (torchao's swap builds a new ``Float8Linear`` from the weight and bias
+alone: what the subclass adds, its forward or its children, would be lost; LoRA's adapters are
+such subclasses and stay in high precision whichever step ran first).
 
 It runs before tp (the parallel styles then shard ``Float8Linear`` modules, which take DTensor
-weights), before activation checkpointing and the data-parallel wrap. Under a strategy that
-shards parameters (the ``fully_shard`` value, fsdp2 and hsdp) the tensorwise recipe all-gathers
-the weights in float8 (torchao's weight subclass casts before ``fully_shard``'s all-gather);
-rowwise scales are per row of the unsharded weight, so its weights all-gather in high precision.
+weights), before activation checkpointing and the data-parallel wrap, and before a step that adds
+low-rank adapters (``low_rank_adapters``, LoRA's): the frozen base linears are converted first
+and the exported value (``core.values.Float8Training``) names them, so the adapter step puts its
+adapters beside the ``Float8Linear`` (FP8 base, high-precision adapters: MLPerf's Llama 2 70B
+LoRA recipe). torchao 0.18's backward (``matmul_with_hp_or_float8_args``) computes the weight's
+gradient whether or not the weight needs one: a frozen base's weight-gradient matmul and its two
+float8 casts still run, and autograd drops the result.
+
+Under a strategy that shards parameters (the ``fully_shard`` value, fsdp2 and hsdp) the
+tensorwise recipe all-gathers the weights in float8 (torchao's weight subclass casts before
+``fully_shard``'s all-gather); rowwise scales are per row of the unsharded weight, so its weights
+all-gather in high precision.
 
 float8 matmuls need a CUDA device of compute capability >= 8.9 (Ada, Hopper, Blackwell): the
 model check refuses anything else before the model changes. ``emulate = true`` (torchao's
@@ -73,7 +84,10 @@ def selected(model: nn.Module, options: Float8Options) -> tuple[list[str], dict[
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if module is head:
+        if type(module) is not nn.Linear:
+            skip[fqn] = (f"a {type(module).__name__} (an nn.Linear subclass): torchao's swap "
+                         "would keep only its weight and bias")
+        elif module is head:
             skip[fqn] = "the LM head"
         elif module.in_features % DIVISOR or module.out_features % DIVISOR:
             skip[fqn] = (f"{module.in_features} x {module.out_features}: a dim is not divisible "
@@ -165,10 +179,9 @@ PLUGIN = Plugin(
     options=Float8Options,
     provides={"float8"},
     reads={"fully_shard"},  # a parameter-sharding strategy: all-gather the weights in float8
-    # torchao swaps each linear for a new Float8Linear: an adapted linear would lose its
-    # adapters, and an adapter step after it finds no plain nn.Linear to adapt (nothing trains)
-    conflicts={"low_rank_adapters"},
-    before={"tensor_parallel", "activation_checkpointing", "data_parallel"},
+    # torchao swaps each linear for a new Float8Linear: adapters go beside the converted base
+    # (an adapter step reads this step's value), never the other way round
+    before={"low_rank_adapters", "tensor_parallel", "activation_checkpointing", "data_parallel"},
     check=_check,
     model_check=_model_check,
     apply=_apply,

@@ -12,6 +12,15 @@ with a dot matches the whole FQN); ``match_all_linear`` takes every ``nn.Linear`
 LM head (as peft's ``"all-linear"``); ``exclude_modules`` removes matches, written the same way.
 An entry that matches nothing is an error, as is a target that is not an ``nn.Linear``.
 
+Under float8 (capability ``float8``, read as ``core.values.Float8Training``; float8 runs first by
+its own declaration) a target float8 converted is adapted as it is: the frozen base keeps
+torchao's ``Float8Linear`` forward (its float8 matmul) and the adapters beside it stay in the
+weight's high precision (float8 converts only exact ``nn.Linear`` modules, never an adapter),
+as MLPerf's Llama 2 70B LoRA reference runs them (FP8 base linears, bf16 adapters). torchao 0.18's
+backward computes the frozen weight's gradient all the same (its autograd Function does not look
+at which inputs need one; autograd then drops it): under float8 the base's weight-gradient
+matmuls and their float8 casts are run, not skipped.
+
 The adapters are drawn from a seed per FQN (``seed``): by this step on a model with storage
 (before any step shards), or by the weights layer on a model built on ``meta`` (``seeded_init``
 and ``hf_load``, which loads only the base from the checkpoint): every layout and every way of
@@ -32,7 +41,7 @@ from ...core.blocks import output_embeddings
 from ...core.costs import Cost
 from ...core.errors import Violation, did_you_mean
 from ...core.lazy import lazy_module
-from ...core.values import Applied, LowRankAdapters
+from ...core.values import Applied, Float8Training, LowRankAdapters
 from ...plugins import Kind, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -110,15 +119,22 @@ class _Targets:
     problems: tuple[Violation, ...]
 
 
-def _targets(model: nn.Module, options: LoRAOptions) -> _Targets:
+def _targets(model: nn.Module, options: LoRAOptions,
+             converted: frozenset[str] = frozenset()) -> _Targets:
+    """The FQNs to adapt and what is wrong with the targets. ``converted``: the linears a step
+    before this one converted (float8's), adapted like ``nn.Linear`` ones."""
     import torch.nn as nn
+
+    def adaptable(fqn: str, module: nn.Module) -> bool:
+        # exactly nn.Linear: a subclass may compute something else (and is refused by name),
+        # unless a declared value says what it computes (float8's linears: the same map)
+        return type(module) is nn.Linear or fqn in converted
 
     modules = {n: m for n, m in model.named_modules() if n}
     bad: list[Violation] = []
     if options.match_all_linear:
         head = output_embeddings(model)
-        # exactly nn.Linear: a subclass may compute something else (and is refused by name)
-        chosen = [n for n, m in modules.items() if type(m) is nn.Linear and m is not head]
+        chosen = [n for n, m in modules.items() if adaptable(n, m) and m is not head]
         if not chosen:
             bad.append(Violation(
                 "lora-unmatched", ("plugins.lora.match_all_linear",),
@@ -138,7 +154,7 @@ def _targets(model: nn.Module, options: LoRAOptions) -> _Targets:
         chosen = [n for n in chosen if n not in hits]
     for fqn in chosen:
         module = modules[fqn]
-        if type(module) is not nn.Linear:
+        if not adaptable(fqn, module):
             bad.append(_not_linear(fqn, module))
     if not bad and not chosen:
         bad.append(Violation(
@@ -178,7 +194,8 @@ def _model_check(model: nn.Module, options: LoRAOptions, ctx: MeshContext) -> li
 
 
 def _apply(model: nn.Module, options: LoRAOptions, ctx: MeshContext, inputs: dict[str, Any]):
-    fqns = _targets(model, options).fqns
+    float8: Float8Training | None = inputs.get("float8")
+    fqns = _targets(model, options, frozenset(float8.modules) if float8 else frozenset()).fqns
     for p in model.parameters():
         p.requires_grad_(False)
     modules = dict(model.named_modules())
@@ -213,7 +230,8 @@ def adapted_roles(options: LoRAOptions) -> tuple[str, ...]:
 
 def _cost(options: LoRAOptions, layout) -> Cost:
     # the planner bounds the adapters' share from the rank and skips the frozen base's
-    # weight-gradient matmuls and gradient reductions (core.costs.Cost.adapter_rank); a dropout
+    # weight-gradient matmuls and gradient reductions (core.costs.Cost.adapter_rank; under
+    # torchao's float8 those matmuls do run, module docstring: not priced); a dropout
     # draws one copy of the input per adapter, kept for backward with its mask; the adapted
     # linears' inputs are what the frozen block still keeps for the adapters; an adapted
     # linear keeps the adapter's input after its frozen matmul has run: recomputed whole
@@ -227,6 +245,7 @@ PLUGIN = Plugin(
     kind=Kind.POLICY,
     options=LoRAOptions,
     provides={"low_rank_adapters"},
+    reads={"float8"},  # the linears float8 converted (it runs first): adapted as they are
     # the adapters exist before anything lays the model out, so each layout can place them
     before={"pipeline_parallel", "tensor_parallel", "sequence_parallel", "context_parallel",
             "expert_parallel", "activation_checkpointing", "data_parallel"},
