@@ -1277,9 +1277,23 @@ def test_a_short_reduction_costs_a_matmul_its_tiles_fixed_share():
 
 
 def test_the_search_suggests_no_software_the_plan_declares_a_conflict_with():
-    """float8 conflicts with lora (torchao's swap would drop the adapters): a LoRA plan was
-    told that adding float8 makes it faster, a plan the compiler then refuses."""
+    """float8 goes with lora (it converts the base, the adapters go beside it: MLPerf's Llama 2
+    70B LoRA recipe), so a LoRA plan is told of it; a plugin of the user's that declares a
+    conflict with float8 is not: the compiler would refuse the plan suggested (it once told a
+    LoRA plan to add float8 when the two conflicted)."""
+    from shardgraph.plugins import Kind, Plugin
+    from shardgraph.plugins.builtin import builtin_registry
+    from shardgraph.train.loop import compile_for
+
     tuned = EIGHT_B + "[plugins.lora]\nrank = 16\nmatch_all_linear = true\n"
     found = autoplan(tuned, 8, top=1)
+    suggested = [s["plugin"] for s in found["software"]]
+    assert "compile" in suggested and "float8" in suggested
+    steps = compile_for(loads_pipeline(tuned + "[plugins.float8]\n"), 1).steps
+    assert [s.plugin for s in steps][:2] == ["float8", "lora"]
+    registry = builtin_registry()
+    registry.register(Plugin(name="int8_matmuls", kind=Kind.POLICY, provides={"int8_matmuls"},
+                             conflicts={"float8"}, apply=lambda model, options, ctx, inputs: model))
+    found = autoplan(tuned + "[plugins.int8_matmuls]\n", 8, top=1, registry=registry)
     suggested = [s["plugin"] for s in found["software"]]
     assert "compile" in suggested and "float8" not in suggested

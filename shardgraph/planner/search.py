@@ -484,8 +484,8 @@ def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any]
 
 
 def _clashes(registry, plugin, base: Base) -> bool:
-    """Whether ``plugin`` declares a conflict with one of the user's plugins (float8 with
-    lora): the compiler would refuse the plan it suggests."""
+    """Whether ``plugin`` declares a conflict with one of the user's plugins, or one of them
+    with it: the compiler would refuse the plan it suggests."""
     kept = [registry.get(name) for name in base.options if name in registry]
     return any(plugin.conflicts & p.provides or p.conflicts & plugin.provides for p in kept)
 
