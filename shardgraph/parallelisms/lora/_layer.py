@@ -73,20 +73,30 @@ class LoRALinear(nn.Linear):
         return out + self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
 
 
+class _OverBase(LoRALinear):
+    """What every class :func:`lora_class` makes shares: pickled, it is named by its base
+    (which pickle finds by name), not by its own name (no module holds it)."""
+
+    def __reduce_ex__(self, protocol):
+        _, _, *rest = object.__reduce_ex__(self, max(protocol, 2))
+        return _new, (type(self).__bases__[1],), *rest
+
+
+def _new(base: type[nn.Linear]) -> LoRALinear:
+    return object.__new__(lora_class(base))
+
+
 @functools.cache
 def lora_class(base: type[nn.Linear]) -> type[LoRALinear]:
     """The LoRA class over ``base``: :class:`LoRALinear` for ``nn.Linear``; for a subclass
     (torchao's ``Float8Linear``) ``LoRA<base name>(LoRALinear, base)``, made once, whose
-    frozen output is ``base.forward``. It is set on this module under its name, so that a
-    pickled model finds it again."""
+    frozen output is ``base.forward``."""
     if base is nn.Linear:
         return LoRALinear
     name = f"LoRA{base.__name__}"
-    cls = type(name, (LoRALinear, base), {"__module__": __name__, "__qualname__": name,
-                                          "__doc__": f"LoRA over {base.__module__}."
-                                                     f"{base.__qualname__}: {LoRALinear.__doc__}"})
-    globals().setdefault(name, cls)
-    return cls
+    return type(name, (_OverBase, base), {
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"LoRA over {base.__module__}.{base.__qualname__}: {LoRALinear.__doc__}"})
 
 
 def adapt(module: nn.Linear, fqn: str, *, rank: int, alpha: float, dropout: float,
