@@ -174,19 +174,33 @@ def test_torchao_computes_a_frozen_float8_weights_gradient():
 
 def test_a_meta_built_float8_lora_model_is_filled_like_a_whole_one(tmp_path):
     """Built on ``meta`` and filled by ``hf_load`` (the base from the checkpoint, the adapters
-    drawn from lora's seed), a float8 + LoRA model holds what the whole-model run holds."""
-    from shardgraph.weights import hf_load, meta_params
+    drawn from lora's seed), a float8 + LoRA model holds what the whole-model run holds; filled
+    by ``seeded_init``, what a LoRA model without float8 gets."""
+    from shardgraph.weights import hf_load, meta_params, seeded_init
+
+    def built(graph: Graph, init=None, model=None) -> nn.Module:
+        plan = graph.compile(world_size=1)
+        if model is None:
+            with meta_params():
+                model = tiny_llama()
+        return plan.apply(model, plan.build_mesh("cpu"),
+                          init=None if init is None else init(model)).module
+
+    def params(model: nn.Module) -> dict[str, torch.Tensor]:
+        return dict(model.named_parameters())
 
     base = tiny_llama(seed=5)
     base.save_pretrained(tmp_path)
-    plan = Graph().add("lora", **LORA, seed=3).add("float8", emulate=True).compile(world_size=1)
-    whole = plan.apply(copy.deepcopy(base), plan.build_mesh("cpu")).module
-    with meta_params():
-        meta = tiny_llama()
-    built = plan.apply(meta, plan.build_mesh("cpu"), init=hf_load(tmp_path)).module
-    assert set(_lora_modules(built)) == _converted(built) and len(_converted(built)) == 14
-    got = dict(built.named_parameters())
-    assert all(torch.equal(p, got[n]) for n, p in whole.named_parameters())
+    lora = Graph().add("lora", **LORA, seed=3)
+    both = Graph().add("lora", **LORA, seed=3).add("float8", emulate=True)
+    loaded = built(both, lambda m: hf_load(tmp_path))
+    assert set(_lora_modules(loaded)) == _converted(loaded) and len(_converted(loaded)) == 14
+    whole = params(built(both, model=copy.deepcopy(base)))
+    assert all(torch.equal(p, whole[n]) for n, p in params(loaded).items())
+    seeded = params(built(both, lambda m: seeded_init(7, m._init_weights)))
+    plain = params(built(lora, lambda m: seeded_init(7, m._init_weights)))
+    assert seeded.keys() == plain.keys()
+    assert all(torch.equal(p, plain[n]) for n, p in seeded.items())
 
 
 def test_float8_lora_adapters_export_merged_and_as_peft(tmp_path):

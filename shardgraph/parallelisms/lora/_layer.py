@@ -89,8 +89,8 @@ def _new(base: type[nn.Linear]) -> LoRALinear:
 @functools.cache
 def lora_class(base: type[nn.Linear]) -> type[LoRALinear]:
     """The LoRA class over ``base``: :class:`LoRALinear` for ``nn.Linear``; for a subclass
-    (torchao's ``Float8Linear``) ``LoRA<base name>(LoRALinear, base)``, made once, whose
-    frozen output is ``base.forward``."""
+    (torchao's ``Float8Linear``) ``LoRA<base name>``, a :class:`LoRALinear` and a ``base`` made
+    once, whose frozen output is ``base.forward``."""
     if base is nn.Linear:
         return LoRALinear
     name = f"LoRA{base.__name__}"
