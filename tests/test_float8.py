@@ -295,6 +295,16 @@ LAYOUTS = {
 MERGED = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj")
 
 
+_MESHES: dict = {}
+
+
+def _mesh(plan):
+    """One mesh per layout in a process: gloo keeps every group's threads until it ends."""
+    if plan.layout not in _MESHES:
+        _MESHES[plan.layout] = plan.build_mesh("cpu")
+    return _MESHES[plan.layout]
+
+
 def _steps(graph: Graph, recipe: str, world: int, lora: bool) -> dict:
     import torch.distributed as dist
 
@@ -302,7 +312,7 @@ def _steps(graph: Graph, recipe: str, world: int, lora: bool) -> dict:
 
     graph = graph.add("float8", recipe=recipe, emulate=True)
     plan = (graph.add("lora", **LORA) if lora else graph).compile(world_size=world)
-    ctx = plan.build_mesh("cpu")
+    ctx = _mesh(plan)
     parallel = plan.apply(tiny_llama(), ctx)
     opt = torch.optim.AdamW(parallel.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     ids = batch(global_batch=4)
