@@ -379,9 +379,14 @@ def test_emulated_float8_under_fsdp2_and_tp_matches_one_process(world2, name):
 
 
 @pytest.mark.skipif(not HAS_FLOAT8_GPU, reason=GPU_REASON)
-def test_real_float8_on_gpu():
-    plan = Graph().add("float8").compile(world_size=1)
+@pytest.mark.parametrize("lora", [False, True])
+def test_real_float8_on_gpu(lora):
+    """With lora: bf16 adapters beside the float8 base (MLPerf's Llama 2 70B LoRA recipe)."""
+    graph = Graph().add("float8")
+    plan = (graph.add("lora", **LORA) if lora else graph).compile(world_size=1)
     ctx = plan.build_mesh("cuda")
     parallel = plan.apply(tiny_llama().cuda().to(torch.bfloat16), ctx)
     out = parallel.step({"input_ids": batch().cuda()}, torch.optim.SGD(parallel.parameters(), 0.1))
     assert out.loss == out.loss and out.loss < 10
+    if lora:
+        assert len(_lora_modules(parallel.module)) == len(_converted(parallel.module)) == 14
