@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is r
     from ...core.context import MeshContext
     from . import TPOptions
 
-recomputed = lazy_module("shardgraph.parallelisms.tp._recompute")
+recomputed = lazy_module("shardgraph.core.saved")
 
 
 def collectives(model: nn.Module, resolved: Resolved, options: TPOptions, ctx: MeshContext,
@@ -179,7 +179,7 @@ def _recomputed(model: nn.Module, resolved: Resolved, modules: dict[str, nn.Modu
     rowwise layer's reduction, a gathered colwise output's gather (Phi-3's fused qkv_proj and
     gate_up_proj). torch's checkpoint recomputes up to the last tensor backward reads, so those
     after whose forward the block saves a tensor for backward, read from one forward of a
-    replica of the model (``_recompute``: a norm on the layer's output counts, the residual add
+    replica of the model (``core.saved``: a norm on the layer's output counts, the residual add
     does not). Where no replica runs, read from the module tree: every one but each block's
     last rowwise layer, and that one too unless its output ends the block (``_ends_region``)."""
     if recompute is None:

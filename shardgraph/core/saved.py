@@ -1,11 +1,11 @@
-"""What tp's count of its collectives reads from one forward of the model: how many tensors
-autograd has saved for backward when each module's forward ends.
+"""What the plugins' counts of their collectives read from one forward of the model: how many
+tensors autograd has saved for backward when each module's forward ends.
 
 A checkpointed block's recompute runs its forward again up to the last tensor backward reads
-(torch's checkpoint stops there), so a rowwise layer's reduction runs again where the block
-saves a tensor after that layer's forward: a norm on its output (Gemma 2's
-post_feedforward_layernorm, OLMo 2's), a gate on it (Qwen2-MoE's shared expert), a sublayer
-after it. The module tree cannot tell a norm that reads the layer's output from one registered
+(torch's checkpoint stops there), so a collective at the end of a module's forward runs again
+where the block saves a tensor after it: tp's rowwise reduction under a norm on its output
+(Gemma 2's post_feedforward_layernorm, OLMo 2's), a gate on it (Qwen2-MoE's shared expert), a
+sublayer after it; ep's gather of an MoE block's token shares likewise. The module tree cannot tell a norm that reads the layer's output from one registered
 after it that runs before; a forward can. It runs on a replica built from the model's config
 under ``FakeTensorMode``: no memory, no arithmetic, no collective, and the model the plugins
 laid out is not touched.
