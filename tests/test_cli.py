@@ -48,7 +48,7 @@ def test_plan_json_has_exactly_the_documented_shape(pipeline, capsys):
     assert data["mesh"] == {"names": ["pp", "dp_replicate", "dp_shard", "cp", "tp"],
                             "shape": [2, 1, 4, 2, 1]}
     assert data["moe_mesh"] == {"names": ["pp", "ep_shard", "ep"], "shape": [2, 4, 2]}
-    assert [s["plugin"] for s in data["steps"]] == ["pp", "cp", "ep", "fsdp2"]
+    assert [s["plugin"] for s in data["steps"]] == ["pp", "ep", "cp", "fsdp2"]
     assert all(set(s) >= {"plugin", "options"} for s in data["steps"])
 
 
@@ -78,7 +78,7 @@ def test_missing_world_size_is_a_clear_error(pipeline, capsys):
 def test_explain_shows_steps_mesh_and_rank_groups(pipeline, capsys):
     assert main(["explain", pipeline(GOOD), "--world-size", "8"]) == 0
     out = capsys.readouterr().out
-    assert "1. pp" in out and "2. cp" in out and "4. fsdp2" in out
+    assert "1. pp" in out and "3. cp" in out and "4. fsdp2" in out
     assert "mesh: pp=2 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=1" in out
     assert "cp: [0 1] [2 3] [4 5] [6 7]" in out
     assert "pp: [0 4] [1 5] [2 6] [3 7]" in out

@@ -169,6 +169,12 @@ CASES[4].update({
                                      "[plugins.fsdp2]\n"),
     "qwen3_moe_ep4_cp": ("qwen3_moe", "[plugins.ep]\nsize = 4\n[plugins.cp]\nsize = 2\n"
                                       "[plugins.fsdp2]\n"),
+    # ep with tp: each tp rank dispatches its share of the tokens (sp's sequence shard; under tp
+    # alone its slice, the computed slices gathered back); the router a unit over every rank
+    "qwen3_moe_ep2_tp_sp": ("qwen3_moe", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"
+                                         "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"),
+    "qwen3_moe_ep4_tp_ac": ("qwen3_moe", "[plugins.tp]\nsize = 2\n[plugins.ep]\nsize = 4\n"
+                                         "[plugins.fsdp2]\n[plugins.activation_checkpointing]\n"),
 })
 # a selective checkpoint keeps the outputs of ep's all-to-alls, the counts' among them
 CASES[2]["qwen3_moe_ep_selective_ac"] = ("qwen3_moe", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"

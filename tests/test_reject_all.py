@@ -52,7 +52,7 @@ REJECTED = {
                                 {"unknown-key", "size", "conflicts"}),
     "bad-world-hides-no-size": (g("ddp", ("tp", {"size": 4}), "sp"), 6, 8,
                                 {"world-size"}),
-    "ep-tp": (g("fsdp2", ("ep", {"size": 2}), ("tp", {"size": 2})), 8, 8, {"conflicts"}),
+    "megatron_fsdp-ep": (g("megatron_fsdp", ("ep", {"size": 2})), 8, 8, {"conflicts"}),
     "unknown-strategy": ('[distributed]\nstrategy = "fsdp3"\ntp_size = 2\n', 4, 8,
                          {"unknown-plugin"}),
     "misspelt-provider": (g("fsdp2", ("tpp", {"size": 2}), "sp"), 4, 8, {"unknown-plugin"}),

@@ -171,6 +171,14 @@ LAYOUTS = {
                       .add("fsdp2"), 2),
     "ep2_cp2_fsdp2": ("moe", lambda: Graph().add("ep", size=2).add("cp", size=2)
                       .add("fsdp2"), 2),
+    # ep with tp: each tp rank's MoE block routes its own share of the tokens (sp's sequence
+    # shard; under tp alone its slice of the replicated sequence), the experts whole on their
+    # ep rank (ep over the tp pairs; ep 4 over tp and dp), the router's gradient summed over
+    # every rank
+    "ep2_tp2_sp_fsdp2": ("moe", lambda: Graph().add("tp", size=2).add("sp").add("ep", size=2)
+                         .add("fsdp2"), 2),
+    "ep4_tp2_fsdp2": ("moe", lambda: Graph().add("tp", size=2).add("ep", size=4)
+                      .add("fsdp2"), 2),
     # the router's load-balancing loss (output_router_logits): each micro-batch's, averaged over
     # all of them, every rank's; under cp its ranks pool the routing counts of their sequences
     "moe_aux_fsdp2": ("moe_aux", lambda: Graph().add("fsdp2"), 1),

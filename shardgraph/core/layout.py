@@ -23,7 +23,8 @@ class Settings:
 
 @attrs.frozen(cache_hash=True)
 class MeshLayout:
-    """Sizes of every axis. ``dp = dp_replicate * dp_shard``; ``ep_shard = dp * cp / ep``.
+    """Sizes of every axis. ``dp = dp_replicate * dp_shard``; ``ep_shard = dp * cp * tp / ep``
+    (the MoE mesh ``(pp, ep_shard, ep)`` covers a stage's ranks: tp's route their own tokens).
 
     ``mesh_axes`` is the dense mesh the plan's strategy works on: by default all of
     ``pp, dp_replicate, dp_shard, cp, tp`` (size-1 axes included, so every sub-mesh exists).
@@ -47,7 +48,7 @@ class MeshLayout:
 
     @property
     def ep_shard(self) -> int:
-        return self.dp * self.cp // self.ep
+        return self.dp * self.cp * self.tp // self.ep
 
     def size(self, axis: Axis | str) -> int:
         axis = Axis(axis)
@@ -84,7 +85,7 @@ class MeshLayout:
         """The global ranks of each process group along ``axis`` (dense or MoE mesh)."""
         axis = Axis(axis)
         if axis in (Axis.EP, Axis.EP_SHARD):
-            names, shape = MOE_AXES, self.moe_mesh_shape or (self.pp, self.dp * self.cp, 1)
+            names, shape = MOE_AXES, self.moe_mesh_shape or (self.pp, self.dp * self.cp * self.tp, 1)
             members = (axis,)
         else:
             names, shape = DENSE_AXES, tuple(self.size(a) for a in DENSE_AXES)

@@ -263,16 +263,19 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
             plugin=req.owner,
         ))
 
-    # Rule 7: the experts' mesh (pp, ep_shard, ep) divides the dp * cp ranks.
-    if Axis.EP in sizes and ep > 1 and dp is not None and Axis.CP not in unknown \
-            and (dp * cp) % ep:
+    # Rule 7: the experts' mesh (pp, ep_shard, ep) divides the dp * cp * tp ranks of a stage
+    # (tp's ranks route their own shares of the tokens).
+    if Axis.EP in sizes and ep > 1 and dp is not None \
+            and not unknown & {Axis.CP, Axis.TP} and (dp * cp * tp) % ep:
         req = owners[Axis.EP]
-        fits = [d for d in divisors(dp * cp) if d > 1]
+        ranks = dp * cp * tp
+        fits = [d for d in divisors(ranks) if d > 1]
         bad.append(Violation(
             "ep-divides", (req.size_key, world_key),
-            f"ep = {ep} does not divide dp * cp = {dp} * {cp} = {dp * cp}",
-            hint=(f"choose ep among {divisor_list(fits)} (divisors of {dp * cp})"
-                  if fits else f"dp * cp = 1 leaves no ranks for experts: remove {req.owner}"),
+            f"ep = {ep} does not divide dp * cp * tp = {dp} * {cp} * {tp} = {ranks}",
+            hint=(f"choose ep among {divisor_list(fits)} (divisors of {ranks})"
+                  if fits else f"dp * cp * tp = 1 leaves no ranks for experts: remove "
+                  f"{req.owner}"),
             plugin=req.owner,
         ))
 
@@ -280,13 +283,13 @@ def derive_mesh(request: MeshRequest) -> DerivedMesh:
         unknown |= _DP_DERIVED
     elif not replicate_ok or Axis.DP_REPLICATE in unknown:
         unknown |= _DP_DERIVED - {Axis.DP, Axis.DP_CP}
-    if Axis.EP in unknown or Axis.CP in unknown:
+    if unknown & {Axis.EP, Axis.CP, Axis.TP}:
         unknown.add(Axis.EP_SHARD)
     if not replicate_ok:
         unknown.add(Axis.DP_REPLICATE)
     rep_used = rep if replicate_ok and dp is not None and dp % rep == 0 else 1
     shard = (dp or 1) // rep_used
-    ep_used = ep if (shard * rep_used * cp) % ep == 0 else 1
+    ep_used = ep if (shard * rep_used * cp * tp) % ep == 0 else 1
     layout = MeshLayout(
         world_size=world if world is not None else pp * rep_used * shard * cp * tp,
         gpus_per_node=gpus or DEFAULT_GPUS_PER_NODE, pp=pp, dp_replicate=rep_used,

@@ -171,6 +171,18 @@ class SequenceSharding:
 
 
 @attrs.frozen
+class RoutedBlocks:
+    """Capability ``expert_parallel``: the MoE blocks whose tokens ep routes (``fqns``). Each
+    computes every token on its own, and ep completes its parameters' gradients over the ranks
+    that hold the other tokens: under tp each block takes its tp rank's own share of the tokens
+    (ep's groups include tp's ranks). A step that lays the sequence out around a block's parts
+    (sp) leaves these blocks on the local tokens: nothing to gather before them or scatter
+    after."""
+
+    fqns: frozenset[str] = attrs.field(converter=frozenset)
+
+
+@attrs.frozen
 class ContextSplit:
     """Capability ``context_parallel``: each sequence split over the ``size`` ranks of the cp
     axis, load-balanced (rank ``r`` holds chunk ``r`` and its mirror ``2 size - 1 - r`` of
@@ -419,6 +431,7 @@ CONTRACTS: dict[str, type] = {
     "tensor_parallel": TPLayout,
     "sequence_parallel": SequenceSharding,
     "context_parallel": ContextSplit,
+    "expert_parallel": RoutedBlocks,
     "pipeline_parallel": StepRunner,
     "activation_checkpointing": Recomputation,
     "float8": Float8Training,
@@ -436,6 +449,7 @@ CONTRACT_NOUNS: dict[str, str] = {
     "tensor_parallel": "the tensor-parallel layout",
     "sequence_parallel": "the sequence sharding",
     "context_parallel": "the context split",
+    "expert_parallel": "the routed MoE blocks",
     "pipeline_parallel": "the pipeline stages",
     "activation_checkpointing": "the recomputation regions",
     "float8": "the float8 linears",

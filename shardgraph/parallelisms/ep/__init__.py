@@ -9,16 +9,23 @@ wraps the blocks around them; router, attention and shared experts stay dense an
 that strategy.
 
 ep composes with pp (the all-to-alls stay inside a stage's ranks: the MoE mesh's ep is inside
-pp) and with cp (each rank routes the tokens of its own chunk of every sequence); both train to
-one process's numbers (tests/test_same_numbers.py). The router stays dense, on each rank's own
-tokens: the load-balancing loss a config asks for (``output_router_logits``) is added by the
-step from each rank's ``router_logits``, as in one process (pp refuses it). Not yet:
-``wrap_outer_model = false`` is refused (fsdp2 always wraps the root), and tp (the MoE mesh has
-no room for it).
+pp), with cp (each rank routes the tokens of its own chunk of every sequence) and with tp: the
+MoE mesh covers the ``dp * cp * tp`` ranks of a stage, and each tp rank's MoE block routes its own
+share of the tokens (``_tokens``: its slice of the sequence, which sp's residual stream already
+is), the experts whole on their ep rank (torchtitan's experts without tensor parallelism); the
+block's router, seeing a share of the tokens on each rank, becomes a unit of its own over all of
+them, so that its gradient sums every rank's. All train to one process's numbers
+(tests/test_same_numbers.py). The router stays dense, on each rank's own tokens: the
+load-balancing loss a config asks for (``output_router_logits``) is added by the step from each
+rank's ``router_logits``, as in one process (pp refuses it, and tp: the routers of a tp group
+see different tokens of the same sequences). Not yet: ``wrap_outer_model = false`` is refused
+(fsdp2 always wraps the root); a tp plan that splits a module inside the MoE block (Qwen2-MoE's
+shared expert) is refused under ep, whose block computes a share of the tokens.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -26,8 +33,9 @@ import attrs
 from ...core.axes import Axis
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation
-from ...core.model_config import read_layer_values, value_at
-from ...core.values import BatchShape, Recomputation, ShardUnit, collective
+from ...core.model_config import ROUTER_AUX_KEY, read_layer_values, router_aux_loss_coef, value_at
+from ...core.values import (
+    Applied, BatchShape, Recomputation, RoutedBlocks, ShardUnit, TPLayout, collective)
 from ...plugins import Kind, OptionFlag, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -136,31 +144,94 @@ def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list
             report("plugins.ep.ignore_router_for_ac", layer,
                    "no router found (one sibling module whose weight is (num_experts, hidden))",
                    "set ignore_router_for_ac = false")
-    return list(found.values())
+    bad = list(found.values())
+    if ctx.tp_size > 1:
+        bad += _tp_problems(model, layers, ctx.tp_size)
+    return bad
+
+
+def _tp_problems(model: nn.Module, layers, tp: int) -> list[Violation]:
+    """Under tp each tp rank's MoE block routes its own share of the tokens: the router's
+    load-balancing loss would be computed over a share, and a module the model's tp plan splits
+    inside the block (Qwen2-MoE's shared expert) would need the whole sequence on every rank."""
+    bad = []
+    if router_aux_loss_coef(model):
+        bad.append(Violation(
+            "ep-tp-router-aux", (ROUTER_AUX_KEY, "plugins.tp.size"),
+            f"under ep x tp each of the {tp} tp ranks routes its own share of a sequence's "
+            "tokens: the router's load-balancing loss the config asks for would be computed "
+            "over a share, not over the micro-batch", hint="set output_router_logits = false "
+            "(or router_aux_loss_coef = 0), or remove tp", plugin="ep"))
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    split = _split_inside([layer.fqn.rpartition(".")[0] for layer in layers], dict(
+        model.named_modules()), lambda fqn: any(
+            fnmatch.fnmatchcase(fqn, p) or fnmatch.fnmatchcase(fqn, f"*.{p}") for p in plan))
+    if split:
+        bad.append(_split_violation(split, ("model.config.base_model_tp_plan",
+                                            "plugins.tp.plan")))
+    return bad
+
+
+def _split_inside(blocks: list[str], modules: dict[str, nn.Module], is_split) -> list[str]:
+    """The modules inside the MoE ``blocks`` (FQNs) that ``is_split`` says tp splits."""
+    return [fqn for block in blocks for fqn in modules
+            if fqn.startswith(block + ".") and is_split(fqn)]
+
+
+def _split_violation(split: list[str], keys: tuple[str, ...]) -> Violation:
+    return Violation(
+        "ep-tp-split-block", keys,
+        f"tp's plan splits {split[0]}"
+        + (f" (and {len(split) - 1} more)" if len(split) > 1 else "")
+        + " inside an MoE block: under ep x tp each tp rank's MoE block computes its own share "
+        "of the tokens, where a split module needs every token on every tp rank",
+        hint="leave the MoE block's modules out of the tp plan (give plugins.tp.plan without "
+        "them: the shared expert then computes whole on each rank's tokens), or remove tp",
+        plugin="ep")
 
 
 def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any]):
+    from ...core.errors import PlanError
     from ._dispatch import shard_experts
     from ._layers import moe_layers
     from ._router import keep_router_outputs
+    from ._tokens import route_own_tokens
 
     unit: ShardUnit = inputs["fully_shard"]  # required: the compiler made sure of a provider
     recompute: Recomputation | None = inputs.get("activation_checkpointing")
+    tp: TPLayout | None = inputs.get("tensor_parallel") if ctx.tp_size > 1 else None
+    layers = moe_layers(model)
+    blocks = [layer.fqn.rpartition(".")[0] for layer in layers]
+    if tp is not None:  # a user's plan (the model's own was checked before any change)
+        split = _split_inside(blocks, dict(model.named_modules()), set(tp.split()).__contains__)
+        if split:
+            raise PlanError([_split_violation(split, ("plugins.tp.plan",))])
     ep_mesh, ep_shard_mesh = ctx.mesh(Axis.EP), ctx.mesh(Axis.EP_SHARD)
-    for layer in moe_layers(model):
+    # the gradients of the tokens of dp * cp replicas of the model (tp's ranks hold shares of
+    # the same tokens): their mean is what the dense parameters get
+    replicas = ctx.layout.dp * ctx.layout.cp
+    for layer in layers:
         shard_experts(layer.experts, ep_mesh)
         # The blocks' units must not take the expert DTensors (they live on the MoE mesh): the
         # experts become a unit of the strategy's own first, and the blocks' units leave them
         # out. An expert's gradient already sums the tokens of its whole ep group (the
         # all-to-all's backward); the reduction over ep_shard completes the sum over the
-        # dp * cp ranks, and dividing by dp * cp gives the mean the dense parameters get.
+        # stage's ranks, and dividing by the replicas gives the mean the dense parameters get.
         unit.shard(layer.experts, ep_shard_mesh,
                    reshard_after_forward=options.reshard_after_forward,
                    placement=_expert_placement(layer.experts, ep_shard_mesh.size()),
-                   gradient_divide_factor=ctx.layout.ep * ctx.layout.ep_shard)
+                   gradient_divide_factor=replicas)
+        if tp is not None:
+            block = layer.ancestors[-1]
+            route_own_tokens(block, ctx.mesh(Axis.TP), tp)
+            # the router saw this rank's share of the tokens: summed over every rank of the
+            # stage (the whole MoE mesh but pp), a unit of its own around the experts'
+            unit.shard(block, ctx.mesh(Axis.EP_SHARD, Axis.EP),
+                       reshard_after_forward=options.reshard_after_forward,
+                       gradient_divide_factor=replicas)
         if options.ignore_router_for_ac and recompute is not None:
             keep_router_outputs(layer.router, layer.ancestors, recompute)
-    return model
+    return Applied(model, values={"expert_parallel": RoutedBlocks(blocks)})
 
 
 def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any],
@@ -170,7 +241,9 @@ def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs:
     gradients the same two ways. A block that full activation checkpointing recomputes runs its
     forward's three again (a selective region keeps the collectives' outputs:
     ``Recomputation.region`` names no region there). Bytes are what this rank sends: its own
-    tokens' assignments; what the combine sends back is the router's choice, equal on average."""
+    tokens' assignments (under tp, its share of them); what the combine sends back is the
+    router's choice, equal on average. Under tp alone each block's slices are gathered back
+    over tp."""
     from ._layers import moe_layers
 
     # top_k may differ by layer (transformers' per_layer_config); one that cannot be read
@@ -182,17 +255,48 @@ def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs:
     for layer in moe_layers(model):
         runs = 1 + (recompute is not None and recompute.region(modules, layer.fqn) is not None)
         again += runs - 1
-        routed = batch.tokens * value_at(top_k, _layer_index(layer.fqn), 1)
+        routed = batch.tokens / ctx.tp_size * value_at(top_k, _layer_index(layer.fqn), 1)
         moved += 2 * runs + 2
         moved_bytes += (2 * runs + 2) * routed * batch.hidden * batch.act_bytes
         counts += runs
         counts_bytes += runs * layer.experts.num_experts * 8  # int64
     mb = batch.forwards
     recomputed = ", again where a checkpointed block recomputes" if again else ""
-    return (collective("all_to_all", "ep", moved * mb, moved_bytes,
+    rows = (collective("all_to_all", "ep", moved * mb, moved_bytes,
                        f"MoE dispatch and combine, forward and backward{recomputed}")
             + collective("all_to_all", "ep", counts * mb, counts_bytes * mb,
                          f"tokens per expert, before each dispatch{recomputed}"))
+    tp: TPLayout | None = inputs.get("tensor_parallel") if ctx.tp_size > 1 else None
+    if tp is not None and not tp.sequence_sharded:
+        # tp alone (``_tokens``): each block's computed slices gathered back in its forward,
+        # the gradients of its input's slices in backward
+        layers = moe_layers(model)
+        again = _gathered_again([layer.fqn.rpartition(".")[0] for layer in layers], model,
+                                modules, recompute)
+        gathers = 2 * len(layers) + again
+        rows += collective("all_gather", "tp", gathers * mb,
+                           gathers * batch.tokens * batch.hidden * batch.act_bytes,
+                           "each tp rank's share of the MoE blocks' tokens gathered (forward"
+                           + (", again where a checkpointed block recomputes past it" if again
+                              else "") + "; their input's gradient, backward)")
+    return rows
+
+
+def _gathered_again(blocks: list[str], model: nn.Module, modules: dict[str, nn.Module],
+                    recompute: Recomputation | None) -> int:
+    """The MoE blocks whose output gather a checkpointed region runs again in backward: torch's
+    checkpoint recomputes up to the last tensor backward reads, so those after whose forward the
+    region saves a tensor (a norm on the block's output; not the residual add), read from one
+    forward of a replica (``core.saved``); where none runs, every block in a region."""
+    from ...core.saved import saved_by_end
+
+    if recompute is None:
+        return 0
+    regions = {b: r for b in blocks if (r := recompute.region(modules, b)) is not None}
+    saved = saved_by_end(model) if regions else None
+    if saved is None or not all(b in saved and r in saved for b, r in regions.items()):
+        return len(regions)
+    return sum(saved[r] > saved[b] for b, r in regions.items())
 
 
 def _layer_index(fqn: str) -> int | None:
@@ -220,11 +324,14 @@ PLUGIN = Plugin(
     # The experts get a unit of their own, sharded by the strategy's exported callable (with
     # its precision and offload settings): the strategy must provide one.
     requires={"fully_shard"},
-    reads={"fully_shard", "activation_checkpointing"},
-    # The MoE mesh (pp, ep_shard, ep) covers pp * dp * cp ranks: it has no room for tp.
-    conflicts={"tensor_parallel"},
+    # tensor_parallel: under tp each rank's MoE block takes its own share of the tokens, from
+    # the residual stream as tp (and sp, after this step) lay it out
+    reads={"fully_shard", "activation_checkpointing", "tensor_parallel"},
     conflicts_with=_conflicts_with,
-    before={"activation_checkpointing", "data_parallel"},
+    # sp and cp lay the sequence out around what this step leaves: the routed blocks stay on
+    # each rank's own tokens
+    before={"sequence_parallel", "context_parallel", "activation_checkpointing",
+            "data_parallel"},
     check=_check,
     model_check=_model_check,
     apply=_apply,

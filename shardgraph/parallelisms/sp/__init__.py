@@ -7,7 +7,9 @@ its output, the embedding reduce-scatters (or slices) its output and the LM head
 input. Activations outside attention and MLP take ``1/tp`` of the memory. A block part whose
 split layers' outputs meet other outputs inside it (Qwen2-MoE's MoE block, its shared expert
 split beside whole routed experts) runs whole, as under tp alone: gathered before, scattered
-after, each rowwise layer inside all-reducing its output whole (``TPLayout.reduce_whole``).
+after, each rowwise layer inside all-reducing its output whole (``TPLayout.reduce_whole``). The
+MoE blocks ep routes (``core.values.RoutedBlocks``, a step before this one) stay on the local
+tokens: each tp rank routes its own share of them.
 
 The step runs right after ``tp``: through tp's exported layout (``core.values.TPLayout``) it
 switches the residual stream that tp's rowwise projections, embedding and LM head read at every
@@ -31,7 +33,8 @@ from ...core.costs import Cost
 from ...core.blocks import blocks_violation, find_blocks, gradient_reaches, input_embeddings
 from ...core.errors import Violation
 from ...core.lazy import lazy_module
-from ...core.values import Applied, BatchShape, SequenceSharding, TPLayout, collective
+from ...core.values import (
+    Applied, BatchShape, RoutedBlocks, SequenceSharding, TPLayout, collective)
 from ...plugins import Kind, NoOptions, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -106,7 +109,7 @@ def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[
     if tp is None:
         raise RuntimeError("sp runs after the tp step, which exported no layout")
     tp.shard_residual_on_sequence(SEQUENCE.dim)
-    built = _sequence_styles(model, tp)
+    built = _sequence_styles(model, tp, inputs.get("expert_parallel"))
     whole = _reduced_whole(built, tp)
     tp.reduce_whole(whole)
     modules = dict(model.named_modules())
@@ -118,15 +121,18 @@ def _apply(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs: dict[
     return Applied(model, values={"sequence_parallel": attrs.evolve(SEQUENCE, whole=whole)})
 
 
-def _sequence_styles(model: nn.Module, tp: TPLayout) -> dict[str, ParallelStyle]:
-    """What keeps the residual stream sequence-sharded around the modules tp sharded."""
+def _sequence_styles(model: nn.Module, tp: TPLayout, routed: RoutedBlocks | None = None
+                     ) -> dict[str, ParallelStyle]:
+    """What keeps the residual stream sequence-sharded around the modules tp sharded; the MoE
+    blocks ep routes (``routed``) compute each rank's own tokens: nothing around them."""
+    own = routed.fqns if routed is not None else frozenset()
     planned, colwise = tp.split(), set(tp.colwise()) - {tp.head}
     modules = dict(model.named_modules())
     out: dict[str, ParallelStyle] = {}
     for fqn, block in find_blocks(model):
         for name, child in block.named_children():
             path = f"{fqn}.{name}"
-            if path in tp.matched:
+            if path in tp.matched or path in own:
                 continue
             if is_norm(child):
                 out[path] = styles.KeepFrozenSequenceParallel(use_local_output=True)
@@ -229,7 +235,7 @@ def _collectives(model: nn.Module, options: NoOptions, ctx: MeshContext, inputs:
     step defers it; without a strategy, dp * cp = 1, once a step at the gradient norm,
     ``ParallelModel.grad_norm``); nothing is summed or gathered back where no gradient goes (a
     frozen base's first block: ``core.blocks.gradient_reaches``). tp's rows are tp's."""
-    built = _sequence_styles(model, inputs["tensor_parallel"])
+    built = _sequence_styles(model, inputs["tensor_parallel"], inputs.get("expert_parallel"))
     modules = dict(model.named_modules())
     recompute = inputs.get("activation_checkpointing")
     gathering = (styles.GatherSequence, styles.Whole)
@@ -285,9 +291,10 @@ PLUGIN = Plugin(
     provides={"sequence_parallel", "model_parallel"},
     cost=_cost,
     requires={"tensor_parallel"},
-    # tp's layout: its residual stream switches to the sequence dim; activation_checkpointing:
-    # only to count the gathers a checkpointed block runs again
-    reads={"tensor_parallel", "activation_checkpointing"},
+    # tp's layout: its residual stream switches to the sequence dim; expert_parallel: the MoE
+    # blocks that take each rank's own tokens; activation_checkpointing: only to count the
+    # gathers a checkpointed block runs again
+    reads={"tensor_parallel", "expert_parallel", "activation_checkpointing"},
     after={"tensor_parallel"},
     before={"context_parallel", "activation_checkpointing", "data_parallel"},
     model_check=_model_check,
