@@ -53,6 +53,13 @@ CASES = [  # (architecture, extra config, plan, world, model dtype)
     ("MixtralForCausalLM", MIXTRAL, "[plugins.fsdp2]\n[plugins.ep]\nsize = 2\n", 16, "fp32"),
     ("Qwen3MoeForCausalLM", "num_experts = 8\nmoe_intermediate_size = 48\n",
      "[plugins.fsdp2]\n[plugins.ep]\nsize = 4\n", 4, "fp32"),
+    # ep x tp: the experts whole over tp, sharded over ep and ep_shard = dp * tp / ep; the
+    # routers a unit of their own over the MoE mesh
+    ("Qwen3MoeForCausalLM", "num_experts = 8\nmoe_intermediate_size = 48\n",
+     "[plugins.fsdp2]\n[plugins.tp]\nsize = 2\n[plugins.sp]\n[plugins.ep]\nsize = 2\n", 8,
+     "fp32"),
+    ("MixtralForCausalLM", MIXTRAL, "[plugins.fsdp2]\n[plugins.tp]\nsize = 2\n"
+     "[plugins.ep]\nsize = 4\n", 8, "fp32"),
 ]
 
 

@@ -1110,22 +1110,28 @@ def test_the_moe_caveat_says_what_the_published_moe_rows_say():
     assert all(x == 0.9 for x in across), across
 
 
-def test_a_tp_rank_under_sequence_parallelism_dispatches_its_share_of_the_tokens():
-    """Under sequence parallelism each tp rank holds 1 / tp of the sequence, and Megatron's token
-    dispatcher sends those (experts unsplit by tp): a ``routed`` collective moves that share.
-    Megatron-Bridge's Qwen3 235B-A22B on 256 H100s (tp 2 + sp, pp 8, ep 32 across nodes) was
-    priced +76% with every rank routing the whole micro-batch (its all-to-alls 26.9 s of the
-    36.6 priced against 20.8 measured), +11% so; what remains is the recipe's overlap of the
-    all-to-alls with another micro-batch's compute (``moe_a2a_overlap``), not priced.
-    shardgraph's own ep does not compose with tp (a conflict its declaration states), so no
-    plan the search makes is priced differently."""
-    from shardgraph.planner.cost import comm_bytes
+def test_a_tp_rank_dispatches_its_share_of_the_tokens():
+    """Each tp rank routes 1 / tp of the tokens to whole experts: under sequence parallelism
+    the share it holds, under tp alone its slice of the replicated sequence (shardgraph's ep,
+    ``parallelisms/ep/_tokens.py``); Megatron's token dispatcher sends the same share (experts
+    unsplit by tp): a ``routed`` collective moves that share, and a routed expert's matmuls
+    take the share's rows at their whole width. Megatron-Bridge's Qwen3 235B-A22B on 256 H100s
+    (tp 2 + sp, pp 8, ep 32 across nodes) was priced +76% with every rank routing the whole
+    micro-batch (its all-to-alls 26.9 s of the 36.6 priced against 20.8 measured), +11% so;
+    what remains is the recipe's overlap of the all-to-alls with another micro-batch's compute
+    (``moe_a2a_overlap``), not priced."""
+    from shardgraph.planner.cost import comm_bytes, linear_shapes
 
     row = next(r for r in cal.rows() if r.name == "Qwen3 235B-A22B TP 2 PP 8 VP 4 EP 32 256 H100 "
                "FP8 (Megatron-Bridge 25.11)")
     assert row.view.tp == 2 and row.view.sp and row.view.ep == 32
-    whole = comm_bytes(row.shape, attrs.evolve(row.view, sp=False), "routed", 4096)
-    assert comm_bytes(row.shape, row.view, "routed", 4096) * 2 == whole
+    one = attrs.evolve(row.view, tp=1, sp=False)
+    for view in (row.view, attrs.evolve(row.view, sp=False)):
+        assert comm_bytes(row.shape, view, "routed", 4096) * 2 == comm_bytes(
+            row.shape, one, "routed", 4096)
+        experts = linear_shapes(row.shape, view.tp, 1, view.ep, 4096, "moe")[3:]
+        assert [(2 * m, k, n) for m, k, n in experts] == linear_shapes(
+            row.shape, 1, 1, view.ep, 4096, "moe")[3:]
     assert comm_bytes(row.shape, row.view, "activation", 4096) == comm_bytes(
         row.shape, attrs.evolve(row.view, sp=False), "activation", 4096)
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}

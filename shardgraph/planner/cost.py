@@ -175,16 +175,17 @@ def linear_shapes(shape: ModelShape, tp: int, cp: int, ep: int, tokens: float,
                   kind: str) -> list[tuple[float, float, float]]:
     """(m, k, n) of each matmul of a block's linears on one rank for a micro-batch of
     ``tokens`` tokens: tp splits the output of q, k, v and gate/up and the input of o and down,
-    cp the tokens; a routed expert sees the tokens routed to it from the ep group."""
+    cp the tokens; a routed expert sees the tokens routed to it from the ep group, whole: each
+    tp rank routes its own share of the tokens."""
     h = shape.hidden
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     m = tokens / cp
     mats = [(m, h, q / tp), (m, h, 2 * kv / tp), (m, q / tp, h)]
     if kind == "moe":
-        f, m = shape.moe_intermediate, m * shape.top_k * ep / max(shape.experts, 1)
-    else:
-        f = shape.intermediate
-    up = 2 if kind == "moe" or shape.gated else 1
+        f, m = shape.moe_intermediate, m / tp * shape.top_k * ep / max(shape.experts, 1)
+        return mats + [(m, h, 2 * f), (m, f, h)]
+    f = shape.intermediate
+    up = 2 if shape.gated else 1
     return mats + [(m, h, up * f / tp), (m, f / tp, h)]
 
 
@@ -282,8 +283,8 @@ def comm_bytes(shape: ModelShape, v: PlanView, size: str, tokens: int) -> float:
         return local * shape.hidden * cb
     if size == "kv":
         return local * kv_width(shape, v) * cb
-    if size == "routed":  # each rank dispatches the tokens it holds: a tp rank's share under sp
-        return local / (v.tp if v.sp else 1) * shape.top_k * shape.hidden * cb
+    if size == "routed":  # each rank dispatches its own tokens: a tp rank's share of them
+        return local / v.tp * shape.top_k * shape.hidden * cb
     if size == "expert_counts":  # int64, one per expert
         return shape.experts * 8
     return local * shape.vocab * cb  # logits
@@ -591,7 +592,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         grads = unsharded * rb * trainable_share(shape, v)
         rs = reductions * units * _collective("reduce_scatter", n, grads / units,
                                               crosses, gpu, eff, k, inn)
-        ep_shard = v.dp * v.cp // v.ep
+        ep_shard = v.dp * v.cp * v.tp // v.ep
         ex = held_numel(shape, held, v, True, unsharded=True) if v.ep > 1 else 0
         if ex and ep_shard > 1:  # the experts' own unit, over the ranks holding the same ones
             cross = v.group_crosses_nodes("ep_shard")

@@ -136,9 +136,15 @@ def local_numel(p: Param, split: Split) -> int:
     shape = list(p.shape)
     if tp > 1 and p.tp_dim is not None:
         shape[p.tp_dim] = _chunk(shape[p.tp_dim], tp)
+    if p.router and ep > 1 and tp > 1:
+        # its own unit over the MoE mesh (ep_shard, ep): sharded over ep, replicated over
+        # ep_shard (HSDP's layout)
+        if strategy == "fully_shard":
+            shape[0] = _chunk(shape[0], ep)
+        return math.prod(shape)
     if p.expert and ep > 1:
         shape[0] = shape[0] // ep
-        ep_shard = dp * cp // ep
+        ep_shard = dp * cp * tp // ep  # the MoE mesh spans a stage's tp ranks too
         if strategy == "fully_shard" and ep_shard > 1:
             dim = 0 if shape[0] >= ep_shard else 1
             shape[dim] = _chunk(shape[dim], ep_shard)

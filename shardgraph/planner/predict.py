@@ -70,9 +70,10 @@ def model_violations(shape: ModelShape, v: PlanView, setup: Setup) -> list[Viola
                 bad.append(Violation("tp-divisible", (f"model.config.{key}", "plugins.tp.size"),
                                      f"{key} = {n} is not divisible by tp = {v.tp}",
                                      hint=f"choose tp among the divisors of {n}"))
-        if shape.is_moe:
-            bad.append(Violation("model", ("plugins.tp",), "tensor parallelism of routed "
-                                 "experts is not supported", hint="use ep for MoE models"))
+        if shape.is_moe and v.ep == 1:
+            bad.append(Violation("model", ("plugins.tp",), "tp on an MoE model is priced with "
+                                 "ep only (each tp rank routes its own share of the tokens to "
+                                 "whole experts)", hint="add ep (ep x tp), or remove tp"))
     if v.pp > 1:
         if v.pp * v.stages_per_rank > shape.layers:
             bad.append(Violation("model", ("plugins.pp.size", "plugins.pp.stages_per_rank"),

@@ -278,8 +278,10 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
     for tp in divisors(gpn):
         if world % tp or (tp > 1 and "tp" not in names):
             continue
-        probe = PlanView(world, gpn, 1, 1, world // tp, 1, tp, 1, "fully_shard", False, False,
-                         False, 0, 0, True, False, True, None, 1, None, None)
+        # an MoE model's tp goes with ep (each tp rank routes its own share of the tokens)
+        moe_ep = shape.experts if shape.is_moe and "ep" in names else 1
+        probe = PlanView(world, gpn, 1, 1, world // tp, 1, tp, moe_ep, "fully_shard", False,
+                         False, False, 0, 0, True, False, True, None, 1, None, None)
         if model_violations(shape, probe, setup):
             continue
         for cp in divisors(world // tp):
@@ -292,8 +294,8 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
                     continue
                 local = setup.global_batch // dp
                 sizes = pp_sizes if pp > 1 else divisors(local)
-                eps = [e for e in divisors(shape.experts) if (dp * cp) % e == 0] \
-                    if shape.is_moe and "ep" in names else [1]
+                eps = [e for e in divisors(shape.experts) if (dp * cp * tp) % e == 0
+                       and (tp == 1 or e > 1)] if shape.is_moe and "ep" in names else [1]
                 for ep in eps:
                     for sp in ((False, True) if tp > 1 and "sp" in names else (False,)):
                         for ac in modes:
@@ -386,7 +388,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             continue
         dp = world_size // (c.tp * c.pp * c.cp)
         for r in divisors(dp):
-            if 1 < r < dp and (dp // r * c.cp) % c.ep == 0 and (dp * c.cp) % c.ep == 0:
+            if 1 < r < dp and (dp // r * c.cp * c.tp) % c.ep == 0:
                 score(attrs.evolve(c, dp_replicate=r))
     scored.sort(key=_rank)
     results, refused, chosen = [], None, []

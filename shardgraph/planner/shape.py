@@ -51,14 +51,17 @@ HEADS_DIVIDE_HIDDEN = frozenset({"LlamaForCausalLM"})
 @attrs.frozen
 class Param:
     """One parameter: its shape, the dim tensor parallelism splits (None: replicated), where it
-    lives (``layer`` index, or "first"/"last" for the pipeline's first and last stage) and
-    whether it is a routed expert's (sharded by ep over the MoE mesh)."""
+    lives (``layer`` index, or "first"/"last" for the pipeline's first and last stage),
+    whether it is a routed expert's (sharded by ep over the MoE mesh, whole over tp: each tp
+    rank routes its own tokens) and whether it is an MoE block's router (under ep x tp a unit
+    of its own over the MoE mesh, its gradient summed over every rank of a stage)."""
 
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None
     layer: int | str
     expert: bool = False
+    router: bool = False
 
     @property
     def numel(self) -> int:
@@ -160,9 +163,10 @@ def _params(m: ModelShape) -> list[Param]:
                     Param(a + "k_norm.weight", (m.head_dim,), None, i)]
         if i in m.moe_layers:
             e, f = m.experts, m.moe_intermediate
-            out += [Param(pre + "mlp.gate.weight", (e, h), None, i),
-                    Param(pre + "mlp.experts.gate_up_proj", (e, 2 * f, h), 1, i, expert=True),
-                    Param(pre + "mlp.experts.down_proj", (e, h, f), 2, i, expert=True)]
+            out += [Param(pre + "mlp.gate.weight", (e, h), None, i, router=True),
+                    Param(pre + "mlp.experts.gate_up_proj", (e, 2 * f, h), None, i,
+                          expert=True),
+                    Param(pre + "mlp.experts.down_proj", (e, h, f), None, i, expert=True)]
         else:
             f = m.intermediate
             mats = (("gate_proj", (f, h), 0), ("up_proj", (f, h), 0), ("down_proj", (h, f), 1))
