@@ -448,7 +448,7 @@ def test_the_replica_sees_a_norm_read_after_the_rowwise_layer():
     residual add does not; a model not built from a config alone gives no reading."""
     import torch.nn as nn
 
-    from shardgraph.parallelisms.tp._recompute import saved_by_end
+    from shardgraph.core.saved import saved_by_end
     from tests.models import tiny_gemma2, tiny_llama
 
     gemma, llama = saved_by_end(tiny_gemma2()), saved_by_end(tiny_llama())
