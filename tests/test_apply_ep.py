@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardgraph import Graph, MeshContext, PlanError, loads_toml
 from tests import _dist
-from tests.models import VOCAB, full, tiny_llama
+from tests.models import VOCAB, full, tiny_llama, tiny_moe_shared_expert
 
 HIDDEN, LAYERS, LR = 64, 2, 0.1
 
@@ -163,8 +163,30 @@ def _scenario(name: str, world_size: int) -> dict:
     }
 
 
+#: a user's tp plan that splits Qwen2-MoE's shared expert, inside the MoE block ep routes
+SPLIT_SHARED_EXPERT = {"model.layers.*.mlp.shared_expert.gate_proj": "colwise",
+                       "model.layers.*.mlp.shared_expert.up_proj": "colwise",
+                       "model.layers.*.mlp.shared_expert.down_proj": "rowwise"}
+
+
+def _split_shared_expert_refused(world_size: int) -> dict:
+    """ep x tp with a user's tp plan that splits a module inside the MoE block: refused as ep
+    meets the plan tp applied (a user's plan is not read before tp's step runs)."""
+    plan = Graph().add("tp", size=2, plan=SPLIT_SHARED_EXPERT).add("ep", size=2).add(
+        "fsdp2").compile(world_size=world_size)
+    model = tiny_moe_shared_expert()
+    try:
+        plan.apply(model, plan.build_mesh("cpu"))
+    except PlanError as exc:
+        return {"rule": exc.rule, "keys": exc.violations[0].keys, "message": str(exc),
+                "experts_sharded": any(isinstance(p, DTensor)
+                                       for p in model.model.layers[0].mlp.experts.parameters())}
+    return {"rule": None}
+
+
 def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
-    out = {name: _scenario(name, world_size) for name in names}
+    out = {name: _split_shared_expert_refused(world_size) if name == "tp_split_shared_expert"
+           else _scenario(name, world_size) for name in names}
     dist.barrier()
     return out
 
@@ -177,8 +199,8 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return _dist.run(run_scenarios, 4, ["ep4", "ep2_dp4", "ep2_hsdp", "ep2_dp4_few_experts"],
-                     timeout=300)
+    return _dist.run(run_scenarios, 4, ["ep4", "ep2_dp4", "ep2_hsdp", "ep2_dp4_few_experts",
+                                        "tp_split_shared_expert"], timeout=300)
 
 
 def _matches_reference(results, name):
@@ -280,6 +302,44 @@ def test_model_checks_refuse_before_any_change(model_fn, ep, world, key, words):
     assert info.value.rule == "model" and info.value.key == key and info.value.plugin == "ep"
     assert len(info.value.violations) == 1  # one per problem, not one per layer
     assert _unchanged(model)
+
+
+def test_under_tp_the_routers_aux_loss_is_refused_before_any_change():
+    """Under ep x tp each tp rank's routers score its own share of the tokens: the
+    load-balancing loss the config asks for would be another one, so it is refused."""
+    plan = Graph().add("tp", size=2).add("sp").add("ep", size=2).add("fsdp2").compile(
+        world_size=4)
+    model = tiny_qwen3_moe(experts=4)  # router_aux_loss_coef = 0.1
+    with pytest.raises(PlanError, match="routes its own share") as info:
+        plan.apply(model, MeshContext(plan.layout, "cpu"))
+    assert info.value.rules == ("ep-tp-router-aux",) and info.value.plugin == "ep"
+    assert info.value.violations[0].keys == ("model.config.output_router_logits",
+                                             "plugins.tp.size")
+    assert _unchanged(model)
+    model.config.output_router_logits = False
+    plan.check_model(model, MeshContext(plan.layout, "cpu"))  # nothing else is refused
+
+
+def test_under_tp_a_model_plan_that_splits_inside_the_moe_block_is_refused_before_any_change():
+    """A module the model's own tp plan splits inside the MoE block would need every token on
+    every tp rank, where ep x tp computes each rank's share: refused, naming the module."""
+    plan = Graph().add("tp", size=2).add("ep", size=2).add("fsdp2").compile(world_size=4)
+    model = tiny_moe_shared_expert()
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, **{
+        k.removeprefix("model."): v for k, v in SPLIT_SHARED_EXPERT.items()}}
+    with pytest.raises(PlanError, match="splits model.layers.0.mlp.shared_expert") as info:
+        plan.apply(model, MeshContext(plan.layout, "cpu"))
+    assert info.value.rules == ("ep-tp-split-block",)
+    assert "(and 5 more)" in str(info.value)  # three linears in each of two layers
+    assert _unchanged(model)
+
+
+@pytest.mark.multiprocess
+def test_under_tp_a_users_plan_that_splits_inside_the_moe_block_is_refused(world4):
+    for r in world4:
+        got = r["tp_split_shared_expert"]
+        assert got["rule"] == "ep-tp-split-block" and got["keys"] == ("plugins.tp.plan",)
+        assert "shared_expert" in got["message"] and not got["experts_sharded"]
 
 
 @pytest.mark.parametrize("source, key", [

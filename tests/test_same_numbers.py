@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from shardgraph import Graph
 from tests import _dist
-from tests.models import VOCAB, full, tiny_llama, tiny_mla
+from tests.models import VOCAB, full, tiny_llama, tiny_mla, tiny_moe_shared_expert
 
 pytestmark = pytest.mark.multiprocess
 
@@ -94,6 +94,8 @@ def build(kind: str):
         return tiny_llama(layers=4, tie_word_embeddings=True)
     if kind == "mla":  # DeepSeek-V3's attention: a rope key every head reads
         return tiny_mla()
+    if kind == "shared":  # Qwen2-MoE: a gated shared expert beside the routed ones
+        return tiny_moe_shared_expert()
     model = tiny_moe(aux=kind == "moe_aux") if kind.startswith("moe") else tiny_llama(layers=4)
     if kind.endswith("lora"):  # the adapters as lora draws them, in one process
         plan = lora().compile(world_size=1)
@@ -179,6 +181,10 @@ LAYOUTS = {
                          .add("fsdp2"), 2),
     "ep4_tp2_fsdp2": ("moe", lambda: Graph().add("tp", size=2).add("ep", size=4)
                       .add("fsdp2"), 2),
+    # Qwen2-MoE's own plan leaves its shared expert whole: it computes each rank's share too,
+    # its gradient summed with the router's
+    "shared_ep2_tp2_sp_fsdp2": ("shared", lambda: Graph().add("tp", size=2).add("sp")
+                                .add("ep", size=2).add("fsdp2"), 2),
     # the router's load-balancing loss (output_router_logits): each micro-batch's, averaged over
     # all of them, every rank's; under cp its ranks pool the routing counts of their sequences
     "moe_aux_fsdp2": ("moe_aux", lambda: Graph().add("fsdp2"), 1),
@@ -294,9 +300,9 @@ def _run(name: str, world: int) -> dict:
     import torch.distributed as dist
 
     kind, graph, micro = LAYOUTS[name]
-    model = tiny_llama(layers=4, tie_word_embeddings=True) if kind == "tied" else (
-        tiny_mla() if kind == "mla" else tiny_moe(aux=kind == "moe_aux")
-        if kind.startswith("moe") else tiny_llama(layers=4))
+    # build()'s model, but a LoRA layout's: its graph adds the adapters
+    model = build(kind) if not kind.endswith("lora") else (
+        tiny_moe() if kind.startswith("moe") else tiny_llama(layers=4))
     plan = graph().compile(world_size=world)
     compiled = plan.step("compile") is not None
     if compiled:
