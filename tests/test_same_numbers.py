@@ -181,6 +181,9 @@ LAYOUTS = {
                          .add("fsdp2"), 2),
     "ep4_tp2_fsdp2": ("moe", lambda: Graph().add("tp", size=2).add("ep", size=4)
                       .add("fsdp2"), 2),
+    # and recomputed: each block takes its slice again in the recompute
+    "ep2_tp2_ac_fsdp2": ("moe", lambda: Graph().add("tp", size=2).add("ep", size=2)
+                         .add("activation_checkpointing").add("fsdp2"), 2),
     # Qwen2-MoE's own plan leaves its shared expert whole: it computes each rank's share too,
     # its gradient summed with the router's
     "shared_ep2_tp2_sp_fsdp2": ("shared", lambda: Graph().add("tp", size=2).add("sp")
