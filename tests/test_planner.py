@@ -1301,3 +1301,31 @@ def test_the_search_suggests_no_software_the_plan_declares_a_conflict_with():
     found = autoplan(tuned + "[plugins.int8_matmuls]\n", 8, top=1, registry=registry)
     suggested = [s["plugin"] for s in found["software"]]
     assert "compile" in suggested and "float8" not in suggested
+
+
+def test_torchaos_float8_linears_are_priced_with_a_frozen_weights_gradient():
+    """torchao's float8 linears compute a frozen weight's gradient too (its autograd function
+    returns one whatever autograd needs: tests/test_float8.py counts the matmul), so under LoRA
+    the planner prices those matmuls and the casts they read: a LoRA step of shardgraph's
+    float8 costs its full fine-tune's compute and the adapters' traffic on top, where
+    Transformer Engine's stack (``fused_float8_casts``, MLPerf's LoRA runs) skips them as
+    frozen plain linears do."""
+    import attrs
+
+    from shardgraph.planner import calibration as cal
+    from shardgraph.planner.cost import step_time
+    from shardgraph.planner.fitted import FITTED
+
+    row = next(r for r in cal.rows() if r.name == "Llama 2 70B LoRA r16 TP 4 8 H100 FP8 "
+               "(MLPerf Training v4.1)")
+    assert row.view.float8_linears and row.view.fused_float8_casts and row.view.adapter_rank
+
+    def compute(**changes) -> float:
+        view = attrs.evolve(row.view, **changes)
+        return step_time(row.shape, view, row.setup, row.gpu, FITTED)["breakdown_s"]["compute"]
+
+    te_lora, te_full = compute(), compute(adapter_rank=0)
+    torchao_lora = compute(fused_float8_casts=False)
+    torchao_full = compute(fused_float8_casts=False, adapter_rank=0)
+    assert te_lora < 0.9 * te_full  # a third of the linears' FLOPs not run
+    assert torchao_lora > torchao_full > te_full  # run, and their casts read besides

@@ -469,7 +469,12 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     if stops and skips_last_linear(v):
         rank_flops -= recomputes * n_micro * tokens / (v.tp * v.cp) * sum(
             n * last_matmul_flops(shape, k) for k, n in blocks)
-    if v.adapter_rank:
+    # torchao's float8 linears (casts not fused into the stack's kernels: shardgraph's float8)
+    # compute a frozen weight's gradient too: its autograd function returns one whatever
+    # autograd needs (tests/test_float8.py counts the matmul); Transformer Engine's skip it
+    frozen_wgrad = bool(v.adapter_rank and v.float8_linears and gpu.fp8
+                        and not v.fused_float8_casts)
+    if v.adapter_rank and not frozen_wgrad:
         # frozen weights (LoRA): their linears' weight-gradient matmuls (one forward's worth
         # of the linears) are never run (the adapters beside them: memory traffic, below)
         linear = flops[worst] * tokens / (v.tp * v.cp) - attn_flops * held.layers
@@ -481,9 +486,9 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
         # torchao's dynamic scaling reads each linear's input for its amax and again to cast
         # it, writing float8 (5 bytes an element, in every forward and recomputation);
         # backward casts the output's gradient alike (5) and transposes the float8 input for
-        # the weight gradient (2; none for frozen weights): traffic that does not shrink with
-        # the matmul's third side
-        wgrad = 0 if v.adapter_rank else 2
+        # the weight gradient (2, a frozen weight's too: above): traffic that does not shrink
+        # with the matmul's third side
+        wgrad = 2
         casts = sum(n * sum(m * ((5 * (1 + recomputes) + wgrad) * k + 5 * o)
                             for m, k, o in linear_shapes(shape, v.tp, v.cp, v.ep, tokens, kind))
                     for kind, n in held.kinds if kind not in EXTRAS)

@@ -231,7 +231,8 @@ def adapted_roles(options: LoRAOptions) -> tuple[str, ...]:
 def _cost(options: LoRAOptions, layout) -> Cost:
     # the planner bounds the adapters' share from the rank and skips the frozen base's
     # weight-gradient matmuls and gradient reductions (core.costs.Cost.adapter_rank; under
-    # torchao's float8 those matmuls do run, module docstring: not priced); a dropout
+    # torchao's float8 those matmuls do run, module docstring, and the planner prices them);
+    # a dropout
     # draws one copy of the input per adapter, kept for backward with its mask; the adapted
     # linears' inputs are what the frozen block still keeps for the adapters; an adapted
     # linear keeps the adapter's input after its frozen matmul has run: recomputed whole
