@@ -13,8 +13,9 @@ pp), with cp (each rank routes the tokens of its own chunk of every sequence) an
 MoE mesh covers the ``dp * cp * tp`` ranks of a stage, and each tp rank's MoE block routes its own
 share of the tokens (``_tokens``: its slice of the sequence, which sp's residual stream already
 is), the experts whole on their ep rank (torchtitan's experts without tensor parallelism); the
-block's router, seeing a share of the tokens on each rank, becomes a unit of its own over all of
-them, so that its gradient sums every rank's. All train to one process's numbers
+block's own parameters (the router, a shared expert the tp plan leaves whole), seeing a share of
+the tokens on each rank, become a unit of their own over all of them, so that their gradients
+sum every rank's. All train to one process's numbers
 (tests/test_same_numbers.py). The router stays dense, on each rank's own tokens: the
 load-balancing loss a config asks for (``output_router_logits``) is added by the step from each
 rank's ``router_logits``, as in one process (pp refuses it, and tp: the routers of a tp group
@@ -224,8 +225,9 @@ def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[
         if tp is not None:
             block = layer.ancestors[-1]
             route_own_tokens(block, ctx.mesh(Axis.TP), tp)
-            # the router saw this rank's share of the tokens: summed over every rank of the
-            # stage (the whole MoE mesh but pp), a unit of its own around the experts'
+            # the block's own parameters (the router, a whole shared expert) saw this rank's
+            # share of the tokens: summed over every rank of the stage (the MoE mesh but pp),
+            # a unit of their own around the experts'
             unit.shard(block, ctx.mesh(Axis.EP_SHARD, Axis.EP),
                        reshard_after_forward=options.reshard_after_forward,
                        gradient_divide_factor=replicas)
