@@ -304,22 +304,6 @@ def test_model_checks_refuse_before_any_change(model_fn, ep, world, key, words):
     assert _unchanged(model)
 
 
-def test_under_tp_the_routers_aux_loss_is_refused_before_any_change():
-    """Under ep x tp each tp rank's routers score its own share of the tokens: the
-    load-balancing loss the config asks for would be another one, so it is refused."""
-    plan = Graph().add("tp", size=2).add("sp").add("ep", size=2).add("fsdp2").compile(
-        world_size=4)
-    model = tiny_qwen3_moe(experts=4)  # router_aux_loss_coef = 0.1
-    with pytest.raises(PlanError, match="routes its own share") as info:
-        plan.apply(model, MeshContext(plan.layout, "cpu"))
-    assert info.value.rules == ("ep-tp-router-aux",) and info.value.plugin == "ep"
-    assert info.value.violations[0].keys == ("model.config.output_router_logits",
-                                             "plugins.tp.size")
-    assert _unchanged(model)
-    model.config.output_router_logits = False
-    plan.check_model(model, MeshContext(plan.layout, "cpu"))  # nothing else is refused
-
-
 def test_under_tp_a_model_plan_that_splits_inside_the_moe_block_is_refused_before_any_change():
     """A module the model's own tp plan splits inside the MoE block would need every token on
     every tp rank, where ep x tp computes each rank's share: refused, naming the module."""

@@ -194,6 +194,12 @@ LAYOUTS = {
     "moe_aux_ep2_fsdp2": ("moe_aux", lambda: Graph().add("ep", size=2).add("fsdp2"), 1),
     "moe_aux_ep2_cp2_fsdp2": ("moe_aux", lambda: Graph().add("ep", size=2).add("cp", size=2)
                               .add("fsdp2"), 2),
+    # ep x tp: each tp rank's routers score its share of the tokens; the tp ranks pool their
+    # routing counts, and the value adds every share (under sp, and under tp alone)
+    "moe_aux_ep2_tp2_sp_fsdp2": ("moe_aux", lambda: Graph().add("tp", size=2).add("sp")
+                                 .add("ep", size=2).add("fsdp2"), 2),
+    "moe_aux_ep4_tp2_fsdp2": ("moe_aux", lambda: Graph().add("tp", size=2).add("ep", size=4)
+                              .add("fsdp2"), 2),
     # sp runs the MoE block whole (its routers see every token); loss_parallel's loss is a DTensor
     "moe_aux_tp2_sp_loss_parallel": ("moe_aux", lambda: Graph()
                                      .add("tp", size=2, loss_parallel=True).add("sp")

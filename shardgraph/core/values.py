@@ -177,9 +177,12 @@ class RoutedBlocks:
     that hold the other tokens: under tp each block takes its tp rank's own share of the tokens
     (ep's groups include tp's ranks). A step that lays the sequence out around a block's parts
     (sp) leaves these blocks on the local tokens: nothing to gather before them or scatter
-    after."""
+    after. ``shared_over``: the mesh axis whose ranks hold the other shares of the tokens each
+    rank's routers score (``"tp"``), or None where they score all of this rank's: a step's
+    load-balancing loss sums the routing counts over it."""
 
     fqns: frozenset[str] = attrs.field(converter=frozenset)
+    shared_over: str | None = None
 
 
 @attrs.frozen

@@ -20,7 +20,9 @@ holds), the parts a step runs (one, or a pipeline's stages) and the values the s
    where the model's config asks for its MoE router's load-balancing loss
    (``output_router_logits`` with a non-zero ``router_aux_loss_coef``), the step adds
    ``router_aux_loss_coef`` times the mean over all the step's micro-batches, every rank's, of
-   transformers' ``load_balancing_loss_func`` of each micro-batch (``router_aux_share``);
+   transformers' ``load_balancing_loss_func`` of each micro-batch (``router_aux_share``: the
+   ranks whose routers score parts of the same tokens, cp's and, under ep x tp, tp's, pool
+   their routing counts and each adds its own share);
 4. the global gradient norm: per mesh, DTensor gradients reduce their own norms exactly
    (``full_tensor``); the squares are summed over the meshes and over ``pp``, whose ranks hold
    different parameters; clipping scales every gradient by ``max_norm / norm`` (as
@@ -47,7 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..core.axes import Axis
 from ..core.errors import PlanError, Violation
 from ..core.model_config import router_aux_loss_coef, text_config
-from ..core.values import LossCompiler, StepRunner, TokenLoss
+from ..core.values import LossCompiler, RoutedBlocks, StepRunner, TokenLoss
 
 if TYPE_CHECKING:
     from ..core.context import MeshContext
@@ -251,13 +253,16 @@ class ParallelModel:
             dist.all_reduce(value, group=group)
         return value
 
-    def router_aux_share(self, output: Any, tokens: int) -> torch.Tensor:
+    def router_aux_share(self, output: Any, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the load-balancing loss of the micro-batch whose ``output`` this
-        is (``router_aux_loss``), ``tokens`` of it on this rank: the routing counts are summed
-        over cp, whose ranks hold the other tokens of the same sequences; a data-parallel
-        rank's micro-batch is its own, as one process's micro-batch of the same size is. A
-        router that saw other than this rank's tokens (a layout that shards the sequence
-        inside the model around it) would make another loss: refused, not added."""
+        is (``router_aux_loss``), ``tokens`` of it on this rank, and (detached) the shares of
+        the ranks that hold this rank's tokens too summed: the routing counts are summed over
+        cp, whose ranks hold the other tokens of the same sequences, and over the axis whose
+        ranks' routers score the other shares of this rank's tokens (``RoutedBlocks
+        .shared_over``: ep's under tp); a data-parallel rank's micro-batch is its own, as one
+        process's micro-batch of the same size is. A router that saw other than those tokens
+        (a layout that shards the sequence inside the model around it) would make another
+        loss: refused, not added."""
         logits = getattr(output, "router_logits", None)
         if not logits or self._top_k is None:
             raise RuntimeError(
@@ -265,16 +270,27 @@ class ParallelModel:
                 "router_logits (or the config no num_experts_per_tok): the router's "
                 "load-balancing loss cannot be added")
         rows = sorted({layer.shape[0] for layer in logits})
+        routed = next((v for v in self.values.values() if isinstance(v, RoutedBlocks)), None)
+        shared = self._axis_group(routed.shared_over) if routed and routed.shared_over else None
+        counts, probs = router_balance(tuple(logits), self._top_k)
+        if shared is not None and len(rows) == 1:  # the shares' rows sum to this rank's tokens
+            rows = [int(self.own_reduction(torch.tensor(rows, device=counts.device),
+                                           shared).item())]
         if rows != [tokens]:
             raise RuntimeError(
                 f"the MoE routers scored {rows} tokens where this rank holds {tokens}: their "
                 "load-balancing loss would not be one process's; set "
                 "config.output_router_logits = false")
-        counts, probs = router_balance(tuple(logits), self._top_k)
-        lay = self.ctx.layout
-        group = self.ctx.mesh(Axis.CP).get_group() \
-            if self.ctx.device_mesh is not None and lay.cp > 1 else None
-        return router_aux_loss(self.own_reduction(counts, group), probs)
+        counts = self.own_reduction(counts, self._axis_group(Axis.CP.value))
+        share = router_aux_loss(self.own_reduction(counts, shared), probs)
+        whole = share.detach().clone()
+        return share, self.own_reduction(whole, shared)
+
+    def _axis_group(self, axis: str):
+        """The process group of mesh ``axis``, or None where it has one rank (or no mesh)."""
+        if self.ctx.device_mesh is None or self.ctx.layout.size(axis) == 1:
+            return None
+        return self.ctx.mesh(axis).get_group()
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                          loss_fn: LossFn, position_ids: torch.Tensor | None = None,
@@ -293,15 +309,21 @@ class ParallelModel:
         with self.loss_context(), _outputs_read_out_of_place():
             out = self.module(**inputs)
             loss = loss_fn(getattr(out, "logits", out), local)
+            whole = None
             if aux_scale:
-                aux = aux_scale * self.router_aux_share(out, inputs["input_ids"].numel())
+                share, whole = self.router_aux_share(out, inputs["input_ids"].numel())
+                aux, whole = aux_scale * share, aux_scale * whole
                 if isinstance(loss, DTensor):  # tp's loss_parallel: the same on every tp rank
                     aux = DTensor.from_local(aux, loss.device_mesh,
                                              [Replicate()] * loss.device_mesh.ndim)
-                loss = loss + aux
-            loss.backward()
+                # each rank backpropagates its own share; the shares of the ranks that hold
+                # its tokens too are summed for the value (the same on each of them)
+                (loss + aux).backward()
+            else:
+                loss.backward()
         loss = loss.detach()
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return loss if whole is None else loss + whole
 
     def _model_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor,
                       position_ids: torch.Tensor | None) -> tuple[dict[str, Any], torch.Tensor]:

@@ -18,8 +18,9 @@ the tokens on each rank, become a unit of their own over all of them, so that th
 sum every rank's. All train to one process's numbers
 (tests/test_same_numbers.py). The router stays dense, on each rank's own tokens: the
 load-balancing loss a config asks for (``output_router_logits``) is added by the step from each
-rank's ``router_logits``, as in one process (pp refuses it, and tp: the routers of a tp group
-see different tokens of the same sequences). Not yet: ``wrap_outer_model = false`` is refused
+rank's ``router_logits``, as in one process (pp refuses it; under tp the routing counts are
+summed over the tp ranks, whose routers score the other shares of the same tokens:
+``RoutedBlocks.shared_over``). Not yet: ``wrap_outer_model = false`` is refused
 (fsdp2 always wraps the root); a tp plan that splits a module inside the MoE block (Qwen2-MoE's
 shared expert) is refused under ep, whose block computes a share of the tokens.
 """
@@ -34,7 +35,7 @@ import attrs
 from ...core.axes import Axis
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation
-from ...core.model_config import ROUTER_AUX_KEY, read_layer_values, router_aux_loss_coef, value_at
+from ...core.model_config import read_layer_values, value_at
 from ...core.values import (
     Applied, BatchShape, Recomputation, RoutedBlocks, ShardUnit, TPLayout, collective)
 from ...plugins import Kind, OptionFlag, Plugin
@@ -147,22 +148,15 @@ def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list
                    "set ignore_router_for_ac = false")
     bad = list(found.values())
     if ctx.tp_size > 1:
-        bad += _tp_problems(model, layers, ctx.tp_size)
+        bad += _tp_problems(model, layers)
     return bad
 
 
-def _tp_problems(model: nn.Module, layers, tp: int) -> list[Violation]:
-    """Under tp each tp rank's MoE block routes its own share of the tokens: the router's
-    load-balancing loss would be computed over a share, and a module the model's tp plan splits
-    inside the block (Qwen2-MoE's shared expert) would need the whole sequence on every rank."""
+def _tp_problems(model: nn.Module, layers) -> list[Violation]:
+    """Under tp each tp rank's MoE block routes its own share of the tokens: a module the
+    model's tp plan splits inside the block (Qwen2-MoE's shared expert) would need the whole
+    sequence on every rank."""
     bad = []
-    if router_aux_loss_coef(model):
-        bad.append(Violation(
-            "ep-tp-router-aux", (ROUTER_AUX_KEY, "plugins.tp.size"),
-            f"under ep x tp each of the {tp} tp ranks routes its own share of a sequence's "
-            "tokens: the router's load-balancing loss the config asks for would be computed "
-            "over a share, not over the micro-batch", hint="set output_router_logits = false "
-            "(or router_aux_loss_coef = 0), or remove tp", plugin="ep"))
     plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
     split = _split_inside([layer.fqn.rpartition(".")[0] for layer in layers], dict(
         model.named_modules()), lambda fqn: any(
@@ -233,7 +227,8 @@ def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[
                        gradient_divide_factor=replicas)
         if options.ignore_router_for_ac and recompute is not None:
             keep_router_outputs(layer.router, layer.ancestors, recompute)
-    return Applied(model, values={"expert_parallel": RoutedBlocks(blocks)})
+    return Applied(model, values={"expert_parallel": RoutedBlocks(
+        blocks, shared_over=Axis.TP.value if tp is not None else None)})
 
 
 def _collectives(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any],
