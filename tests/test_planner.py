@@ -1329,3 +1329,37 @@ def test_torchaos_float8_linears_are_priced_with_a_frozen_weights_gradient():
     torchao_full = compute(fused_float8_casts=False, adapter_rank=0)
     assert te_lora < 0.9 * te_full  # a third of the linears' FLOPs not run
     assert torchao_lora > torchao_full > te_full  # run, and their casts read besides
+
+
+def test_under_tp_alone_the_moe_blocks_gathers_are_priced_as_the_dry_run_declares_them():
+    """Under ep x tp without sp each MoE block computes its slice of the replicated sequence and
+    gathers the slices back (and its input's slices' gradients in backward): the planner prices
+    the dry run's rows of those gathers, each call as it prices one; under sp none is issued
+    and none is priced."""
+    import attrs
+
+    from shardgraph.planner.cost import _collective, step_time
+    from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.gpus import PRESETS
+    from shardgraph.planner.shape import model_shape
+    from shardgraph.planner.view import plan_view
+    from shardgraph.train.dryrun import dryrun
+
+    pipeline = loads_pipeline(TINY_MOE + "[plugins.tp]\nsize = 2\n")
+    rows = [r for r in dryrun(pipeline, world_size=4)["collectives"]
+            if r["what"].startswith("each tp rank's share of the MoE blocks")]
+    assert len(rows) == 1 and rows[0]["group"] == "tp"
+    shape, view, gpu = model_shape(pipeline.model), plan_view(pipeline.graph.compile(4)), \
+        PRESETS["H100-SXM"]
+    setup = predict.setup_of(pipeline)
+
+    def tp_time(v) -> float:
+        return step_time(shape, v, setup, gpu, FITTED)["breakdown_s"]["exposed_comm"]["tp"]
+
+    without = attrs.evolve(view, comms=tuple(c for c in view.comms if not c.without_sp))
+    row = rows[0]
+    declared = row["count"] * _collective("all_gather", 2, row["bytes"] / row["count"], False,
+                                          gpu, FITTED, 2, 2)
+    assert tp_time(view) - tp_time(without) == pytest.approx(declared, rel=1e-9)
+    sp = attrs.evolve(view, sp=True)
+    assert tp_time(sp) == pytest.approx(tp_time(attrs.evolve(sp, comms=without.comms)))

@@ -56,6 +56,9 @@ class Comm:
     #: MLP's output): a recomputation that stops early (``Cost.recompute_stops_early``) does
     #: not issue them again
     ends_block: int = 0
+    #: issued only where tp's residual stream is replicated: under sp a block part already
+    #: holds its rank's share of the sequence (ep's MoE blocks under tp)
+    without_sp: bool = False
 
 
 @attrs.frozen

@@ -547,7 +547,7 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     reissued = 0.0 if v.ac_saves == "alternate_matmuls" and v.sac_saves_gathers else recomputes
     for c in v.comms:
         n = getattr(v, c.axis, 1) if c.axis in AXIS_SIZES else 1
-        if n <= 1 or (c.size == "logits" and v.loss_chunk_tokens):
+        if n <= 1 or (c.size == "logits" and v.loss_chunk_tokens) or (c.without_sp and v.sp):
             continue  # a chunked loss's logits never exist whole: nothing gathers them
         count = n_micro * (c.forward + (c.forward - (c.ends_block if stops else 0))
                            * reissued + c.backward)

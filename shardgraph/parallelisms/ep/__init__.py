@@ -304,11 +304,15 @@ def _layer_index(fqn: str) -> int | None:
 
 def _cost(options, layout) -> Cost:
     # dispatch and combine of the routed tokens, forward and backward; before each dispatch the
-    # tokens per expert (``_dispatch``: the split sizes), forward only, as ``_collectives`` says
+    # tokens per expert (``_dispatch``: the split sizes), forward only; under tp alone each MoE
+    # block's slices gathered back (forward, after the block's last matmul) and its input's
+    # slices' gradients (backward), as ``_collectives`` says
     return Cost(comms=(Comm("ep", "all_to_all", "routed", forward=2, backward=2,
                             per="moe_layer"),
                        Comm("ep", "all_to_all", "expert_counts", forward=1,
-                            per="moe_layer")))
+                            per="moe_layer"),
+                       Comm("tp", "all_gather", "activation", forward=1, backward=1,
+                            per="moe_layer", ends_block=1, without_sp=True)))
 
 
 PLUGIN = Plugin(
