@@ -262,6 +262,19 @@ def _as_file(model: str, row) -> str:
     return text
 
 
+def test_a_local_batch_of_the_wrong_type_is_refused_before_searching(tmp_path, capsys):
+    """local_batch_size = 0 was not read by plan --auto at all (estimate and train refuse it);
+    it comes in one report with the command line's problems."""
+    path = tmp_path / "p.toml"
+    path.write_text(TINY + "[step_scheduler]\nlocal_batch_size = 0\n")
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--top", "0"]) == 2
+    err = capsys.readouterr().err
+    assert ("[size] step_scheduler.local_batch_size: step_scheduler.local_batch_size must be a "
+            "positive integer, got 0") in err, err
+    assert "[value] --top: --top must be >= 1, got 0" in err
+
+
+
 def test_no_plan_fits_is_a_plan_error():
     with pytest.raises(PlanError) as err:
         autoplan(LLAMA_70B.replace("1024", "8"), 8, gpu="A100-80GB")

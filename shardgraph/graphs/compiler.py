@@ -113,12 +113,14 @@ def compile_graph(
 def option_violations(graph: Graph, *, world_size: int, gpus_per_node: int,
                       registry: Registry | None = None) -> list[Violation]:
     """What is wrong with ``graph``'s plugins and options whatever the layout: the front end's
-    problems, unknown or repeated plugins, unknown options, wrong types, and the rules a
-    plugin's ``check`` states on the options the user gave alone (a rule naming a size or a
-    setting as well depends on the layout, and is ``compile``'s). ``plan --auto`` reads this
-    before it chooses the sizes: a plugin it places keeps the user's other options."""
+    problems, the graph's settings (``local_batch_size``, ``packed_sequence_size``, ...),
+    unknown or repeated plugins, unknown options, wrong types, and the rules a plugin's
+    ``check`` states on the options the user gave alone (a rule naming a size or a setting as
+    well depends on the layout, and is ``compile``'s). ``plan --auto`` reads this before it
+    chooses the sizes: a plugin it places keeps the user's other options."""
     registry = registry if registry is not None else default_registry()
     bad: list[Violation] = list(graph.problems)
+    _settings(graph, bad)
     resolved, _ = _resolve(graph.entries, registry, bad)
     # no built-in check reads the layout; one over plain data parallelism stands in for it
     layout = MeshLayout(world_size=world_size, gpus_per_node=gpus_per_node,
