@@ -262,6 +262,60 @@ def _as_file(model: str, row) -> str:
     return text
 
 
+LOCAL_8 = TINY + "[step_scheduler]\nlocal_batch_size = 8\n"
+
+
+def test_autoplan_keeps_the_files_local_batch_and_train_takes_its_best_plans(tmp_path,
+                                                                             capsys):
+    """[step_scheduler] local_batch_size = 8 of a global batch of 16: each rank trains on 8
+    sequences, so dp = 2. The search derived global / dp for every layout and ranked dp = 4
+    first (hsdp 2 x pp 2), a plan train refuses by that key once pasted back into the file;
+    now it tries dp = 2 only and says so."""
+    from shardgraph.train.loop import compile_for
+
+    result = autoplan(LOCAL_8, 8, top=3, gpus_per_node=4)
+    rows = result["candidates"]
+    assert len(rows) == 3
+    assert result["local_batch"] == {"key": "step_scheduler.local_batch_size", "size": 8,
+                                     "dp": 2}
+    for row in rows:
+        sizes = row["sizes"]
+        assert sizes["dp_replicate"] * sizes["dp_shard"] == 2, row["summary"]
+        # the file with the row's tables and its [step_scheduler] kept: train compiles it
+        plan = compile_for(loads_pipeline(_as_file(LOCAL_8, row)), 8)
+        assert plan.layout.dp == 2
+    path = tmp_path / "p.toml"
+    path.write_text(LOCAL_8)
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--gpus-per-node", "4",
+                 "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("the file fixes the local batch at 8 (step_scheduler.local_batch_size), so dp = "
+            "global_batch_size / 8 = 16 / 8 = 2: only layouts with dp = 2 are searched\n"
+            in out), out
+
+
+@pytest.mark.parametrize("size, message, hint", [
+    (3, "step_scheduler.local_batch_size = 3 does not divide train.global_batch_size = 16 "
+        "(each of dp ranks trains on global_batch_size / dp sequences)",
+     "set step_scheduler.local_batch_size to one of 2, 4, 8, 16 (global_batch_size / dp of "
+     "the layouts over 8 GPUs), or remove it (the search then tries every dp)"),
+    (1, "step_scheduler.local_batch_size = 1 needs dp = 16 / 1 = 16 data-parallel ranks, "
+        "and no layout over 8 GPUs has them",
+     "set step_scheduler.local_batch_size to one of 2, 4, 8, 16 (global_batch_size / dp of "
+     "the layouts over 8 GPUs), or remove it (the search then tries every dp); or keep it "
+     "and use --world-size 16"),
+])
+def test_a_local_batch_no_layout_gives_is_refused_with_the_ones_that_work(size, message, hint):
+    with pytest.raises(PlanError) as err:
+        autoplan(TINY + f"[step_scheduler]\nlocal_batch_size = {size}\n", 8, gpus_per_node=4)
+    (v,) = err.value.violations
+    assert v.rule == "batch"
+    assert v.keys == ("step_scheduler.local_batch_size", "train.global_batch_size",
+                      "--world-size")
+    assert v.message == message
+    assert v.hint == hint
+
+
 def test_a_local_batch_of_the_wrong_type_is_refused_before_searching(tmp_path, capsys):
     """local_batch_size = 0 was not read by plan --auto at all (estimate and train refuse it);
     it comes in one report with the command line's problems."""
@@ -272,8 +326,6 @@ def test_a_local_batch_of_the_wrong_type_is_refused_before_searching(tmp_path, c
     assert ("[size] step_scheduler.local_batch_size: step_scheduler.local_batch_size must be a "
             "positive integer, got 0") in err, err
     assert "[value] --top: --top must be >= 1, got 0" in err
-
-
 
 def test_no_plan_fits_is_a_plan_error():
     with pytest.raises(PlanError) as err:

@@ -85,7 +85,13 @@ def render_candidates(result: dict[str, Any]) -> str:
     c = result["searched"]
     lines += ["", f"searched {c['layouts']} layouts, estimated {c['estimated']} plans, "
               f"{c['fit']} fit; compiled {c['compiled']} (refused {c['refused']}) in "
-              f"{c.get('seconds', 0):.2f} s", "", "best plan:"]
+              f"{c.get('seconds', 0):.2f} s"]
+    if result.get("local_batch"):
+        n, dp = result["local_batch"]["size"], result["local_batch"]["dp"]
+        lines.append(f"the file fixes the local batch at {n} ({result['local_batch']['key']}), "
+                     f"so dp = global_batch_size / {n} = {n * dp} / {n} = {dp}: only layouts "
+                     f"with dp = {dp} are searched")
+    lines += ["", "best plan:"]
     best = rows[0]
     lines += ["  " + line for line in _toml(best).splitlines()]
     lines += ["", *memory_lines(best), "", *time_lines(best), *caveat_lines(best)]

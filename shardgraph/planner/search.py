@@ -164,11 +164,16 @@ def _base(pipeline, registry) -> Base:
 
 
 def _graph(registry, names, cand: Candidate, base, world: int, gpn: int,
-           local_batch: int | None):
+           local_batch: int, fixed_key: str | None):
+    """The candidate's graph; ``fixed_key``: where the file gives the local batch (None:
+    derived, ``global_batch / dp``)."""
     graph = graph_from_dict({"plugins": cand.plugins(base, names),
                              "mesh": {"world_size": world, "gpus_per_node": gpn}},
                             registry=registry)
-    if local_batch is not None and cand.pp > 1:
+    if fixed_key is not None:  # every plugin's rule reads the file's, as train's compile does
+        graph.local_batch_size = local_batch
+        graph.keys["local_batch_size"] = fixed_key
+    elif cand.pp > 1:
         graph.local_batch_size = local_batch  # lets pp's check run the schedule's rules
     return graph
 
@@ -194,9 +199,10 @@ class _Views:
 
 
 def _pp_options(registry, names, shape: ModelShape, setup: Setup, world: int, tp: int,
-                cp: int, cache: dict) -> list[tuple[int, str | None, list[int]]]:
+                cp: int, cache: dict,
+                local_batch: int | None) -> list[tuple[int, str | None, list[int]]]:
     """(pp, schedule, pipeline micro-batch sizes the pipeline plugin's check accepts) for
-    every pp degree."""
+    every pp degree (whose dp gives ``local_batch``, when given)."""
     out: list[tuple[int, str | None, list[int]]] = []
     rest = world // (tp * cp)
     plugin = registry.get(names["pp"]) if "pp" in names else None
@@ -207,7 +213,7 @@ def _pp_options(registry, names, shape: ModelShape, setup: Setup, world: int, tp
         if plugin is None or pp > shape.layers:
             continue
         dp = rest // pp
-        if setup.global_batch % dp:
+        if not _splits(setup.global_batch, dp, local_batch):
             continue
         lb = setup.global_batch // dp
         for name in AUTO_SCHEDULES:
@@ -264,14 +270,21 @@ def _micro_choices(sizes: list[int], fits) -> list[int]:
     return sorted({sizes[lo], sizes[0], sizes[lo // 2]}, reverse=True)
 
 
+def _splits(global_batch: int, dp: int, local_batch: int | None) -> bool:
+    """Whether ``dp`` ranks split the global batch, into ``local_batch`` each when given."""
+    return not global_batch % dp and local_batch in (None, global_batch // dp)
+
+
 def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
-                         registry, names: dict[str, str],
-                         allow_ddp: bool = True) -> list[tuple[Candidate, list[int]]]:
+                         registry, names: dict[str, str], allow_ddp: bool = True, *,
+                         local_batch: int | None = None) -> list[tuple[Candidate, list[int]]]:
     """Every layout (hsdp aside) with the micro-batch sizes it may take; a role no registered
-    plugin plays is not tried."""
+    plugin plays is not tried. ``local_batch``: the file's local batch (only the layouts whose
+    dp splits the global batch into it: train refuses the others)."""
     out = []
     if world == 1:
-        return [(Candidate(None), divisors(setup.global_batch))]
+        return [(Candidate(None), divisors(setup.global_batch))] if _splits(
+            setup.global_batch, 1, local_batch) else []
     allow_ddp = allow_ddp and "ddp" in names
     modes = ac_modes(registry, names)
     pp_cache: dict = {}
@@ -288,9 +301,9 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
             if cp > MAX_CP or setup.seq_len % (2 * cp) or (cp > 1 and "cp" not in names):
                 continue
             for pp, sched, pp_sizes in _pp_options(registry, names, shape, setup, world, tp, cp,
-                                                   pp_cache):
+                                                   pp_cache, local_batch):
                 dp = world // (tp * cp * pp)
-                if setup.global_batch % dp:
+                if not _splits(setup.global_batch, dp, local_batch):
                     continue
                 local = setup.global_batch // dp
                 sizes = pp_sizes if pp > 1 else divisors(local)
@@ -334,6 +347,17 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     if bad:
         raise PlanError(bad)
     setup = setup_of(pipeline)
+    # the file's local batch fixes dp = global / local: train refuses any other
+    # (core.batch.batch_split_violations), so only those layouts are searched
+    fixed = pipeline.graph.local_batch_size
+    fixed_key = pipeline.graph.key("local_batch_size") if fixed is not None else None
+    layouts = enumerate_candidates(shape, setup, world_size, gpn, registry, names,
+                                   local_batch=fixed)
+    if fixed is not None and not layouts:
+        v = _local_batch_violation(shape, setup, world_size, gpn, registry, names, fixed,
+                                   fixed_key)
+        if v is not None:
+            raise PlanError([v])
     base = _base(pipeline, registry)
     view = _Views(registry, names, base, world_size, gpn)
     limit = USABLE_HBM * chip.hbm_bytes
@@ -363,7 +387,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     # a layout that fits without checkpointing at its largest micro-batch is faster so than
     # with any (recomputation adds compute and hides no less communication): not estimated
     roomy: set[Candidate] = set()
-    for cand, sizes in enumerate_candidates(shape, setup, world_size, gpn, registry, names):
+    for cand, sizes in layouts:
         counts["layouts"] += 1
         if cand.ac and attrs.evolve(cand, ac="") in roomy:
             continue
@@ -396,7 +420,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
         if len(results) >= top and not compile_all:
             break
         local = setup.global_batch // (world_size // (cand.tp * cand.pp * cand.cp))
-        graph = _graph(registry, names, cand, base, world_size, gpn, local)
+        graph = _graph(registry, names, cand, base, world_size, gpn, local, fixed_key)
         try:
             plan = graph.compile(world_size=world_size, gpus_per_node=gpn, registry=registry)
         except PlanError as e:
@@ -405,7 +429,8 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             continue
         counts["compiled"] += 1
         v = plan_view(plan)
-        if batch_violations(v, setup_for(cand), "world_size") or \
+        if batch_violations(v, setup_for(cand), "world_size", local_batch=fixed,
+                            local_key=fixed_key or "local_batch_size") or \
                 model_violations(shape, v, setup):
             counts["refused"] += 1
             continue
@@ -413,12 +438,15 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
         chosen.append(cand)
     if not results and refused is not None:
         raise refused  # every plan that fits was refused: the first says why (the user's plan)
+    batch = f"global_batch_size = {setup.global_batch}" + (
+        f", {fixed_key} = {fixed} (dp = {setup.global_batch // fixed})" if fixed else "")
+    keys = ("--world-size", "train.global_batch_size", *((fixed_key,) if fixed else ()))
     if not results and not counts["layouts"]:
-        near = _worlds_with_layouts(shape, setup, world_size, gpn, registry, names)
+        near = _worlds_with_layouts(shape, setup, world_size, gpn, registry, names, fixed)
         raise PlanError([Violation(
-            "no-plan", ("--world-size", "train.global_batch_size"),
+            "no-plan", keys,
             f"no layout of {shape.architecture} ({_count(shape.n_params)} parameters) splits "
-            f"over {world_size} GPUs with global_batch_size = {setup.global_batch} and seq_len "
+            f"over {world_size} GPUs with {batch} and seq_len "
             f"= {setup.seq_len}: the data-parallel degree must divide the global batch, tp the "
             f"heads and a node's GPUs, 2 x cp the sequence, pp the layers",
             hint=(f"use --world-size {' or '.join(map(str, near))}" if near else
@@ -426,18 +454,47 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             ", or a global_batch_size that the world size divides")])
     if not results:
         raise PlanError([Violation(
-            "no-plan", ("--world-size", "train.global_batch_size"),
+            "no-plan", keys,
             f"no plan of {shape.architecture} ({_count(shape.n_params)} parameters) fits "
-            f"{world_size} x {chip.name} with global_batch_size = {setup.global_batch} and "
+            f"{world_size} x {chip.name} with {batch} and "
             f"seq_len = {setup.seq_len} ({counts['layouts']} layouts tried)",
             hint="use more or larger GPUs, a shorter sequence, or a global batch size with more "
-            "divisors")])
+            "divisors" + (f" (or remove {fixed_key}: it allows dp = "
+                          f"{setup.global_batch // fixed} only)" if fixed else ""))])
     software = _software(registry, base, names, chosen[0], results[0], view, shape,
                          setup_for(chosen[0]), chip, eff)
     counts["seconds"] = round(time.perf_counter() - began, 3)
     shown = results[:top] if not compile_all else results
-    return {"candidates": shown, "searched": counts, "software": software,
-            "why": _why(shown)}
+    out = {"candidates": shown, "searched": counts, "software": software, "why": _why(shown)}
+    if fixed is not None:
+        out["local_batch"] = {"key": fixed_key, "size": fixed, "dp": setup.global_batch // fixed}
+    return out
+
+
+def _local_batch_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
+                           names: dict[str, str], local: int, key: str) -> Violation | None:
+    """The file's local batch that no layout over ``world`` GPUs trains on, with the local
+    batches that some layout does; None when no layout splits the job at all (the world's
+    problem, said as such)."""
+    g = setup.global_batch
+    valid = sorted({g // (world // (c.tp * c.pp * c.cp))
+                    for c, _ in enumerate_candidates(shape, setup, world, gpn, registry, names)})
+    if not valid:
+        return None
+    if g % local:
+        message = (f"{key} = {local} does not divide train.global_batch_size = {g} (each of dp "
+                   "ranks trains on global_batch_size / dp sequences)")
+    else:
+        message = (f"{key} = {local} needs dp = {g} / {local} = {g // local} data-parallel "
+                   f"ranks, and no layout over {world} GPUs has them")
+    hint = (f"set {key} to one of {', '.join(map(str, valid))} (global_batch_size / dp of the "
+            f"layouts over {world} GPUs), or remove it (the search then tries every dp)")
+    near = _worlds_with_layouts(shape, setup, world, gpn, registry, names, local) \
+        if not g % local else []
+    if near:
+        hint += f"; or keep it and use --world-size {' or '.join(map(str, near))}"
+    return Violation("batch", (key, "train.global_batch_size", "--world-size"), message,
+                     hint=hint)
 
 
 #: software the search does not add on its own but prices for the best plan: the capability,
@@ -535,14 +592,16 @@ def _parts(est: dict[str, Any]) -> dict[str, float]:
 
 
 def _worlds_with_layouts(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
-                         names: dict[str, str], reach: int = 64) -> list[int]:
+                         names: dict[str, str], local_batch: int | None = None,
+                         reach: int = 64) -> list[int]:
     """The nearest world sizes below and above ``world`` (within ``reach``) that some layout
-    splits the job over."""
+    splits the job over (into ``local_batch`` sequences a rank, when given)."""
     out = []
     for others in (range(world - 1, max(0, world - reach), -1),
                    range(world + 1, world + reach)):
         found = next((w for w in others
-                      if enumerate_candidates(shape, setup, w, gpn, registry, names)), None)
+                      if enumerate_candidates(shape, setup, w, gpn, registry, names,
+                                              local_batch=local_batch)), None)
         if found is not None:
             out.append(found)
     return out
