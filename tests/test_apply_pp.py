@@ -737,12 +737,22 @@ def test_split_backward_schedules_refuse_selective_recomputation_and_resharding(
     assert err.value.keys == ("plugins.pp.schedule", "plugins.activation_checkpointing.mode")
     assert "use mode = 'full'" in str(err.value)
     assert "1f1b, gpipe, interleaved_1f1b, looped_bfs" in str(err.value)
+    # why, declared by activation_checkpointing (OptionFlag.why)
+    assert ("plugins.activation_checkpointing.mode = 'selective' sets it: such a schedule "
+            "recomputes a checkpointed block twice a micro-batch (in the input pass and in the "
+            "weight pass), and torch's selective checkpoint hands each output its policy saved "
+            "to one recompute only") in err.value.violations[0].message
     fsdp = Graph().add("pp", size=2, schedule=schedule).add("fsdp2", reshard_after_forward=True)
     with pytest.raises(PlanError, match=r"fsdp2 does not support pp") as err:
         fsdp.compile(world_size=4)
     assert [v.keys for v in err.value.violations] == [
         ("plugins.pp.schedule", "plugins.fsdp2.reshard_after_forward")]
     assert "leave reshard_after_forward unset" in str(err.value)
+    # why, declared by fsdp2 (OptionFlag.why)
+    assert ("plugins.fsdp2.reshard_after_forward = True sets it: torch's input pass finds the "
+            "weights the weight pass differentiates among the stage's parameters as they are "
+            "when it starts") in err.value.violations[0].message
+    assert "weight gradients are never computed" in err.value.violations[0].message
     # full checkpointing and unset resharding (off under pp) compile, and so does a schedule
     # that runs backward whole
     Graph().add("pp", size=2, schedule=schedule).add("activation_checkpointing").add(

@@ -204,12 +204,25 @@ def _after_forward_only(model: nn.Module, options: FSDP2Options) -> None:
 
 
 def _conflicts_with(options: FSDP2Options) -> dict[str, OptionFlag]:
-    """Resharding after forward frees the parameters that a zero-bubble pipeline's later
-    weight-gradient pass still reads: its gradients come out wrong (measured at pp 2 x dp 2)."""
+    """Under a pipeline whose backward runs in two passes, torch's input pass
+    (``stage_backward_input``) picks the weights the later weight pass differentiates by
+    looking the stage's ``parameters()`` up in the autograd graph when it starts. Resharded
+    after forward, those are the DTensor shards (fully_shard gathers the parameters again only
+    when backward reaches each unit), not the gathered parameters the forward's graph holds:
+    they are not found, and those micro-batches' weight gradients are never computed for them.
+    Measured (torch 2.13, tiny Llama, zero_bubble at pp 2 x dp 2): for most micro-batches the
+    input pass found 0 of one stage's 9 weights and 2 of the other's 11 (all of them without
+    resharding); the parameters came out 4e-3 and 6e-3 off one process, and nothing failed.
+    Unset (off under pp), they stay gathered until the step's last backward."""
     if not options.reshard_after_forward:
         return {}
     return {"split_backward": OptionFlag(
-        "reshard_after_forward", "leave reshard_after_forward unset (off under pp) or false")}
+        "reshard_after_forward", "leave reshard_after_forward unset (off under pp) or false",
+        why="torch's input pass finds the weights the weight pass differentiates among the "
+        "stage's parameters as they are when it starts, and resharded after forward they are "
+        "fsdp2's shards, not the gathered parameters the forward used: it does not find them, "
+        "so those micro-batches' weight gradients are never computed for them (the parameters "
+        "come out silently wrong)")}
 
 
 def _cost(options: FSDP2Options, layout) -> Cost:

@@ -164,11 +164,19 @@ def _export(options: ActivationCheckpointingOptions, layout, inputs: dict[str, A
 
 
 def _conflicts_with(options: ActivationCheckpointingOptions) -> dict[str, OptionFlag]:
-    """A selective region is backwarded once (torch refuses "an extra time"); a zero-bubble
-    pipeline backwards it twice, input gradients then weight gradients."""
+    """A selective region is backwarded once: torch's ``_CachedTorchDispatchMode`` marks each
+    output the policy saved consumed when a recompute takes it, and a second recompute stops
+    with "Trying to backward an extra time". A pipeline whose backward runs in two passes
+    recomputes each checkpointed block in both (the module's docstring): measured at pp 2
+    under zero_bubble (torch 2.13), where 1f1b runs."""
     if options.mode != "selective":
         return {}
-    return {"split_backward": OptionFlag("mode", "use mode = 'full' under this schedule")}
+    return {"split_backward": OptionFlag(
+        "mode", "use mode = 'full' under this schedule",
+        why="such a schedule recomputes a checkpointed block twice a micro-batch (in the input "
+        "pass and in the weight pass), and torch's selective checkpoint hands each output its "
+        "policy saved to one recompute only: the second stops with \"Trying to backward an "
+        "extra time\"")}
 
 
 def _cost(options, layout) -> Cost:

@@ -342,8 +342,9 @@ _FORWARD_FIRST = {"ScheduleGPipe", "ScheduleLoopedBFS"}
 def _provides_with(options: PPOptions) -> dict[str, OptionFlag]:
     """``split_backward`` under a zero-bubble schedule: torch runs each microbatch's backward
     as an input-gradient pass and a later weight-gradient pass, which selective checkpointing
-    (a region backwarded twice) and fsdp2 resharding after forward (the weight pass reads freed
-    parameters: wrong gradients) do not survive (torch 2.13)."""
+    (a region backwarded twice) and fsdp2 resharding after forward (the input pass finds the
+    shards, not the gathered weights: their gradients are never computed) do not survive
+    (torch 2.13); each says why in its own declaration."""
     sched = schedule(options.schedule)
     if sched is None or not sched.split_backward:
         return {}
