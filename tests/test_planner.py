@@ -333,6 +333,22 @@ def test_no_plan_fits_is_a_plan_error():
     assert err.value.rule == "no-plan"
 
 
+
+def test_no_plan_fits_at_the_files_local_batch_names_it():
+    """Nothing fits at the one dp the file's local batch leaves: the error names that key and
+    that it is the only dp tried, beside the ways out it gave before."""
+    with pytest.raises(PlanError) as err:
+        autoplan(LLAMA_70B.replace("1024", "8") + "[step_scheduler]\nlocal_batch_size = 1\n",
+                 8, gpu="A100-80GB")
+    (v,) = err.value.violations
+    assert v.rule == "no-plan"
+    assert v.keys == ("--world-size", "train.global_batch_size",
+                      "step_scheduler.local_batch_size")
+    assert "with global_batch_size = 8, step_scheduler.local_batch_size = 1 (dp = 8) and " \
+        "seq_len = 8192" in v.message
+    assert v.hint.endswith("(or remove step_scheduler.local_batch_size: it allows dp = 8 "
+                           "only)")
+
 def test_a_world_no_layout_splits_names_the_nearest_that_one_does():
     """Three GPUs for a batch of 16 and a 2-block model of hidden 64: no data-parallel degree,
     tp, cp or pp splits the job. The error says that (not that nothing fits the GPUs' memory)
