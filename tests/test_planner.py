@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import time
 from pathlib import Path
 
@@ -292,6 +293,15 @@ def test_autoplan_keeps_the_files_local_batch_and_train_takes_its_best_plans(tmp
     assert ("the file fixes the local batch at 8 (step_scheduler.local_batch_size), so dp = "
             "global_batch_size / 8 = 16 / 8 = 2: only layouts with dp = 2 are searched\n"
             in out), out
+    # the printed best plan, pasted as it is in place of the file's [plugins.*] tables (its
+    # micro-batch comment moved into [train]), is one train takes
+    printed = out.split("best plan:\n", 1)[1].split("\n\n", 1)[0]
+    tables = "\n".join(line.removeprefix("  ") for line in printed.splitlines())
+    text = LOCAL_8.replace("[plugins.mixed_precision]\n", "") + tables + "\n"
+    micro = re.search(r"# and in \[train\]: micro_batch_size = (\d+)", tables)
+    if micro:
+        text = text.replace("[train]\n", f"[train]\nmicro_batch_size = {micro[1]}\n")
+    assert compile_for(loads_pipeline(text), 8).layout.dp == 2
 
 
 @pytest.mark.parametrize("size, message, hint", [
