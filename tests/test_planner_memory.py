@@ -60,6 +60,9 @@ CASES = [  # (architecture, extra config, plan, world, model dtype)
      "fp32"),
     ("MixtralForCausalLM", MIXTRAL, "[plugins.fsdp2]\n[plugins.tp]\nsize = 2\n"
      "[plugins.ep]\nsize = 4\n", 8, "fp32"),
+    ("Qwen3MoeForCausalLM", "num_experts = 8\nmoe_intermediate_size = 48\n",
+     "[plugins.fsdp2]\n[plugins.pp]\nsize = 2\n[plugins.tp]\nsize = 2\n[plugins.sp]\n"
+     "[plugins.ep]\nsize = 4\n", 16, "bf16"),
 ]
 
 
