@@ -105,7 +105,8 @@ def test_mixtral_sized_moe_in_seconds():
                     rank=9)
     assert time.monotonic() - began < 60
     assert report["full_parameters"] == 46_702_792_704  # Mixtral-8x7B
-    assert report["steps"] == ["ep", "fsdp2"] and report["sizes"]["ep"] == 8
+    assert report["steps"] == ["tp", "ep", "sp", "activation_checkpointing", "fsdp2"]
+    assert report["sizes"]["ep"] == 8 and report["sizes"]["ep_shard"] == 8  # 32 x 2 / 8
     assert any(c["op"] == "all_to_all" and c["group"] == "ep" for c in report["collectives"])
 
 
