@@ -273,9 +273,10 @@ class ParallelModel:
         routed = next((v for v in self.values.values() if isinstance(v, RoutedBlocks)), None)
         shared = self._axis_group(routed.shared_over) if routed and routed.shared_over else None
         counts, probs = router_balance(tuple(logits), self._top_k)
-        if shared is not None and len(rows) == 1:  # the shares' rows sum to this rank's tokens
-            rows = [int(self.own_reduction(torch.tensor(rows, device=counts.device),
-                                           shared).item())]
+        if shared is not None:  # the shares' rows sum to this rank's tokens; every rank joins
+            # the sum (a rank whose layers scored unlike counts spoils it: all of them refuse)
+            mine = torch.tensor([rows[0] if len(rows) == 1 else -1], device=counts.device)
+            rows = [int(self.own_reduction(mine, shared).item())]
         if rows != [tokens]:
             raise RuntimeError(
                 f"the MoE routers scored {rows} tokens where this rank holds {tokens}: their "
