@@ -462,7 +462,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             "divisors" + (f" (or remove {fixed_key}: it allows dp = "
                           f"{setup.global_batch // fixed} only)" if fixed else ""))])
     software = _software(registry, base, names, chosen[0], results[0], view, shape,
-                         setup_for(chosen[0]), chip, eff)
+                         setup_for(chosen[0]), chip, eff, fixed_key)
     counts["seconds"] = round(time.perf_counter() - began, 3)
     shown = results[:top] if not compile_all else results
     out = {"candidates": shown, "searched": counts, "software": software, "why": _why(shown)}
@@ -509,18 +509,25 @@ SAVES_AT_LEAST = 2**30
 
 
 def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any], view,
-              shape, setup, chip, eff) -> list[dict[str, Any]]:
+              shape, setup, chip, eff, fixed_key: str | None) -> list[dict[str, Any]]:
     """The best plan's estimate with each of ``SOFTWARE`` the user's plan lacks and the
-    registry has, where it is faster and fits (float8 is not, on a GPU without float8 tensor
-    cores), and with each of ``MEMORY_SOFTWARE`` where it saves a GiB or more per rank: what
-    ``plan --auto`` suggests beyond the layout."""
+    registry has, where the plan with it compiles (the compiler's own rules: a plugin that
+    conflicts with one of the user's is not suggested), is faster and fits (float8 is not, on a
+    GPU without float8 tensor cores), and with each of ``MEMORY_SOFTWARE`` where it saves a GiB
+    or more per rank: what ``plan --auto`` suggests beyond the layout."""
     out = []
     layout = cand.layout(view.world, view.gpn)
+    local = setup.global_batch // layout.dp
     for capability, what in (*SOFTWARE.items(), *MEMORY_SOFTWARE.items()):
         plugin = provider(registry, capability)
-        if plugin is None or plugin.name in base.options or _clashes(registry, plugin, base):
+        if plugin is None or plugin.name in base.options:
             continue
         added = Base({**base.options, plugin.name: {}}, (*base.kept, plugin.name))
+        try:
+            _graph(registry, names, cand, added, view.world, view.gpn, local, fixed_key).compile(
+                world_size=view.world, gpus_per_node=view.gpn, registry=registry)
+        except PlanError:
+            continue
         cost, unpriced = declared(registry, cand.plugins(added, names), layout)
         est = evaluate(shape, view_of(layout, cost, unpriced), setup, chip, eff)
         gain = 1 - est["step_time_s"] / best["step_time_s"]
@@ -540,13 +547,6 @@ def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any]
                         "why": f"adding {plugin.name} to #1 ({what}): {gain:.1%} faster "
                         f"per step{less}"})
     return out
-
-
-def _clashes(registry, plugin, base: Base) -> bool:
-    """Whether ``plugin`` declares a conflict with one of the user's plugins, or one of them
-    with it: the compiler would refuse the plan it suggests."""
-    kept = [registry.get(name) for name in base.options if name in registry]
-    return any(plugin.conflicts & p.provides or p.conflicts & plugin.provides for p in kept)
 
 
 def _rank(scored: tuple) -> tuple[float, float]:
