@@ -27,7 +27,6 @@ shared expert) is refused under ep, whose block computes a share of the tokens.
 
 from __future__ import annotations
 
-import fnmatch
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -157,10 +156,11 @@ def _tp_problems(model: nn.Module, layers) -> list[Violation]:
     model's tp plan splits inside the block (Qwen2-MoE's shared expert) would need the whole
     sequence on every rank."""
     bad = []
+    from ._layers import plan_names
+
     plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
     split = _split_inside([layer.fqn.rpartition(".")[0] for layer in layers], dict(
-        model.named_modules()), lambda fqn: any(
-            fnmatch.fnmatchcase(fqn, p) or fnmatch.fnmatchcase(fqn, f"*.{p}") for p in plan))
+        model.named_modules()), lambda fqn: plan_names(fqn, plan))
     if split:
         bad.append(_split_violation(split, ("model.config.base_model_tp_plan",
                                             "plugins.tp.plan")))

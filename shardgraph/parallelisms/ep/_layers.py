@@ -31,8 +31,7 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     modules = dict(model.named_modules())
     found = []
     for fqn, module in modules.items():
-        if not any(fnmatch.fnmatchcase(fqn, p) or fnmatch.fnmatchcase(fqn, f"*.{p}")
-                   for p in patterns):
+        if not plan_names(fqn, patterns):
             continue
         parts = fqn.split(".")
         ancestors = tuple(modules[".".join(parts[:i])] for i in range(len(parts)))
@@ -40,6 +39,20 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
                    if child is not module and _scores_experts(child, module)]
         found.append(MoELayer(fqn, module, routers[0] if len(routers) == 1 else None, ancestors))
     return found
+
+
+def plan_names(fqn: str, globs) -> bool:
+    """Whether one of a transformers base-model plan's ``globs`` (``config.base_model_ep_plan``
+    or ``base_model_tp_plan``: relative to the base model) names ``fqn``: token by token, as
+    transformers (and tp) match them, against the FQN's last tokens (under a head model's
+    prefix, ``model.``)."""
+    names = fqn.split(".")
+    for glob in globs:
+        parts = glob.split(".")
+        if len(parts) <= len(names) and all(
+                fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names[-len(parts):])):
+            return True
+    return False
 
 
 def _scores_experts(module: nn.Module, experts: nn.Module) -> bool:
