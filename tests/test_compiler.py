@@ -187,3 +187,19 @@ def test_unknown_keys_do_not_hide_wrong_types_and_nested_types_name_the_entry():
     assert by_rule["unknown-key"].keys == ("plugins.tp.sise",)
     assert by_rule["type"].keys == ("plugins.tp.plan",)
     assert "['a.b'] expected str, got int 3" in by_rule["type"].message
+
+
+def test_a_requirement_on_a_strategy_left_no_ranks_says_how_many_processes_give_it_some():
+    """ep under tp 2 on 2 processes: fsdp2's dp takes the ranks tp leaves, none; the hint names
+    the world size that gives it two, and that world size compiles. A dp fixed by the file is
+    not a world-size problem: no such hint."""
+    graph = g("fsdp2", ("tp", {"size": 2}), ("ep", {"size": 2}))
+    with pytest.raises(PlanError) as info:
+        graph.compile(world_size=2, gpus_per_node=8)
+    (hit,) = [v for v in info.value.violations if v.rule == "requires"]
+    assert hit.hint.startswith("launch 4 processes or more") and "remove ep" in hit.hint, hit
+    assert graph.compile(world_size=4, gpus_per_node=8).layout.dp == 2
+    with pytest.raises(PlanError) as info:
+        g("fsdp2", ("tp", {"size": 2}), ("ep", {"size": 2}), dp_size=1).compile(
+            world_size=2, gpus_per_node=8)
+    assert not any("launch" in v.hint for v in info.value.violations), info.value

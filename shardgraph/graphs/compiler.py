@@ -356,7 +356,7 @@ def _check_capabilities(resolved, unresolved, mesh: DerivedMesh, graph: Graph,
                 f"{r.plugin.name} requires {need!r}, which no active plugin provides"
                 + "".join(f" ({p.plugin.name} provides it but has size 1)" for p in idle),
                 hint=_requires_hint(r, need, idle, resolved, registry,
-                                    partners.get(r.plugin.name, set())),
+                                    partners.get(r.plugin.name, set()), mesh, graph),
                 plugin=r.plugin.name,
             ))
 
@@ -383,7 +383,7 @@ def _drop(r: _Resolved) -> str:
 
 
 def _requires_hint(r: _Resolved, need: str, idle, resolved, registry: Registry,
-                   contested: set[str]) -> str:
+                   contested: set[str], mesh: DerivedMesh, graph: Graph) -> str:
     """``contested``: the plugins ``r`` conflicts with, whose fate that conflict's fix decides
     (a stand-in must not be refused for clashing with them)."""
     remove = _drop(r)
@@ -391,6 +391,12 @@ def _requires_hint(r: _Resolved, need: str, idle, resolved, registry: Registry,
         p = idle[0]
         if p.plugin.sized:
             return f"set {p.entry.origin('size')} > 1, or {remove}"
+        if mesh.world_known and p.plugin.axis is not None and graph.dp_size is None:
+            # its axis takes the ranks the sized axes leave: twice the processes give it two
+            world = mesh.layout.world_size
+            return (f"launch {2 * world} processes or more ({p.plugin.name}'s "
+                    f"{p.plugin.axis.value} takes the ranks the other axes leave: 1 of "
+                    f"{world}; {graph.key('world_size')}), or {remove}")
         return remove
     present = {x.plugin.name for x in resolved}
     others = [x for x in resolved if x.active and x is not r
