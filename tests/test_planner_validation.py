@@ -3,7 +3,11 @@ cited): the efficiency constants are the fit on the ``fit`` rows, and the error 
 rows (which the fit never saw) stays under the stated bounds.
 
 Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage error
-5.03% over the 324 rows of dense models (bound 5.1%: issue 21's 5% held at 4.995% over 321 until
+4.73% over the 317 rows of dense models (issue 21's bound, 5%), 3.6% over the 299 of them not in
+``MISSES``, 5.3% over 325 with the eight Qwen3 mixture-of-experts rows, since llm-foundry's A100
+40GB table (May 2023, torch 1.13) is a stack of its own, its size sweep fit data as the other
+llm-foundry tables' are (``test_a_torch_stack_the_fit_never_saw_keeps_its_scaling``); before,
+5.03% over the 324 (bound 5.1%: issue 21's 5% held at 4.995% over 321 until
 Megatron-Bridge 26.06's three dense GB200 runs joined, +14%, +11% and -1%: B200's ceiling and
 attention share are fitted on one attention-heavy run, see ``_GPT3_B200``), 3.9% over the 306 of
 them not in ``MISSES``, 5.6% over 332 with the eight Qwen3 mixture-of-experts rows (bound
@@ -90,8 +94,9 @@ from shardgraph.planner import calibration as cal
 from shardgraph.planner.cost import step_time
 from shardgraph.planner.gpus import resolve_gpu
 
-TIME_MAPE_BOUND = 0.051  # the dense models' rows (issue 21's 0.05 held until Megatron-Bridge
-#                          26.06's GB200 rows; 0.06 before flash attention
+TIME_MAPE_BOUND = 0.05  # the dense models' rows, issue 21's (0.051 while the A100 40GB table
+#                         was priced with the 80GB table's constants, from Megatron-Bridge
+#                         26.06's GB200 rows on; 0.06 before flash attention
 #                         was priced on the GPU's ceiling, 0.065 before the early stop, 0.075
 #                         before NCCL)
 TIME_MAPE_BOUND_WITH_MOE = 0.065  # and the eight Qwen3 MoE rows (-76% to +14%)
@@ -172,7 +177,7 @@ _MPT_760M_SHORT = ("MPT 760M on A100 80GB at 512 and 1,024 tokens (micro-batches
                    "run of the same 49,152 tokens a micro-batch (29,446 and 29,765 tokens/s a GPU "
                    "against 32,434, priced +0.5%) though their attention is less (2.7% of a "
                    "512-token block's FLOPs); the same runs on H100 are priced +0.9% and +0.5%, "
-                   "on A100 40GB (micro-batches of 48 and 24) -3.1% and -3.0%: not explained")
+                   "on A100 40GB (micro-batches of 48 and 24) +1.4% and +1.6%: not explained")
 _MPT_30B_8K = ("MPT 30B at 8,192 tokens on 8 A100s and on 8 H100s (one micro-batch, 21 a step, "
                "full checkpointing) is priced -28% and -19%: the step took 2.8 and 2.6 times "
                "the 4,096-token run's, which holds the same tokens a step (priced -3.1% and "
@@ -187,8 +192,8 @@ _TT_CP = ("torchtitan's 8B at cp 2 (64k tokens, 32k a rank, on its 500 W H100s) 
           "what made this run fast is not found")
 _MPT_OUTLIERS = ("two of llm-foundry's A100 40GB runs are slower per GPU than their neighbours in "
                  "the table, which the planner prices alike: the 1B on 32 GPUs (15,555 tokens/s a "
-                 "GPU against 18,647 to 19,271 on 8, 16, 64 and 128 at the same micro-batch) -22%, "
-                 "and the 70B on 64 (276 against 376 on 128; micro-batches of 2 against 4) -27%, "
+                 "GPU against 18,647 to 19,271 on 8, 16, 64 and 128 at the same micro-batch) -19%, "
+                 "and the 70B on 64 (276 against 376 on 128; micro-batches of 2 against 4) -23%, "
                  "its sharded weights, gradients and AdamW states a third more of the 40 GB a GPU "
                  "than on 128: not explained")
 #: held-out rows priced more than 15% off, with why (each a strict expected failure below)
@@ -274,14 +279,15 @@ def test_fitted_constants_are_the_fit():
     # under Composer's FSDP, llm-foundry's, both on A100 and on H100)
     stacks = cal.stack_fit_rows()
     assert {r.gpu.name for r in stacks} == {"H100-SXM-TE", "H100-SXM-TE-24.03", "H200-TE",
-                                            "H100-SXM-MPT", "A100-80GB-MPT"}
+                                            "H100-SXM-MPT", "A100-80GB-MPT", "A100-40GB-MPT"}
     assert not set(stacks) & set(fit_rows)
     attention = dict(cal.FITTED.attention)
     assert attention["H200-TE"] == attention["H100-SXM-TE"]
     for name, fields in (("H100-SXM-TE", ("e_max", "attention")), ("H200-TE", ("e_max",)),
                          ("H100-SXM-TE-24.03", ("e_max", "attention")),
                          ("H100-SXM-MPT", ("e_max", "attention")),
-                         ("A100-80GB-MPT", ("e_max", "attention"))):
+                         ("A100-80GB-MPT", ("e_max", "attention")),
+                         ("A100-40GB-MPT", ("e_max", "attention"))):
         mine = [r for r in stacks if r.gpu.name == name]
         here = cal._loss(cal.FITTED, mine)
         for per_gpu in fields:
@@ -316,20 +322,24 @@ def test_a_torch_stack_the_fit_never_saw_keeps_its_scaling():
     MPT 125M to 70B on 8 to 512 H100s and on 8 to 128 A100s of 80 and 40 GB, 512 to 65,536
     tokens, every bf16 row of its tables (ZeRO-3, and ZeRO-2 for six large-scale H100 runs). Its
     kernels have a ceiling and attention share of their own on each die, fitted on its size
-    sweep (every model on 8 GPUs at 2,048 tokens: 125M to 30B on A100 80GB, 760M to 30B on
-    H100) and two more runs each (H100: the 70B on 128 GPUs and the 7B at 32,768 tokens on 8;
-    A100 80GB: the 7B at 32,768 tokens; the 40GB runs are priced with the 80GB table's
-    constants): 0.60 and 0.3 on H100, 0.81 and 0.4 on A100 (its triton attention at a third or
-    less of the GPU's ceiling; torch's flash attention on A100 at all of it). The sweep also
-    fits the matmuls' intensity curve (``fit``: x0, k0), which no other source's runs pin. The
-    192 other runs then test the rest of the model: how a step grows with the sequence,
-    checkpointing, HBM and FSDP's rings up to 512 GPUs. Each within 15% but ``MISSES`` (the
-    760M at the short end of the A100 table, the 30B at 8,192 tokens on one A100 node and on
-    one H100 node, two outliers of the 40GB table), and those runs' mean absolute error under
-    4% (measured 3.4% over 186; all 192: 4.0%. With attention at a share of the linears'
-    efficiency, as priced before December 2026, the narrow models' attention slowed with their
-    linears: MPT 125M at 32,768 and 65,536 tokens on A100 were +18% and +21%, 3.7% over 184,
-    4.4% over 192). Its checkpointed
+    sweep (every model on 8 GPUs at 2,048 tokens: 125M to 30B on A100 80GB, 125M to 13B on
+    A100 40GB, 760M to 30B on H100) and two more runs each (H100: the 70B on 128 GPUs and the
+    7B at 32,768 tokens on 8; A100 80GB: the 7B at 32,768 tokens): 0.60 and 0.3 on H100, 0.81
+    and 0.4 on A100 80GB, 0.77 and 0.4 on A100 40GB (its triton attention at a third or less of
+    the GPU's ceiling; torch's flash attention on A100 at all of it). The 40GB table is a stack
+    of its own: its runs are of May 2023 on torch 1.13, the 80GB table's of October 2023 on
+    torch 2.1 (until December 2026 they were priced with the 80GB table's constants: its 78
+    runs' mean error -4.9%, the dense held-out MAPE 5.03% over 324; with its own, 4.73% over
+    317, the other rows' unchanged). The sweep also fits the matmuls' intensity curve
+    (``fit``: x0, k0), which no other source's runs pin. The 185 other runs then test the rest
+    of the model: how a step grows with the sequence, checkpointing, HBM and FSDP's rings up
+    to 512 GPUs. Each within 15% but ``MISSES`` (the 760M at the short end of the A100 table,
+    the 30B at 8,192 tokens on one A100 node and on one H100 node, two outliers of the 40GB
+    table), and those runs' mean absolute error under 3% (measured 2.9% over 179; all 185:
+    3.5%; with the 40GB table on the 80GB table's constants 3.4% over 186, 4.0% over 192.
+    With attention at a share of the linears' efficiency, as priced before December 2026, the
+    narrow models' attention slowed with their linears: MPT 125M at 32,768 and 65,536 tokens
+    on A100 were +18% and +21%, 3.7% over 184, 4.4% over 192). Its checkpointed
     runs are priced with torch 2.1's early stop of the recomputation (the H100 and A100 80GB
     tables; the 40GB table's, of May 2023 on torch 1.13, without it): recomputing the down
     projections too, the H100 runs of large micro-batches at 1,024 to 4,096 tokens came out
@@ -337,15 +347,15 @@ def test_a_torch_stack_the_fit_never_saw_keeps_its_scaling():
     found = {r["name"]: r["time_error"] for r in cal.errors(cal.FITTED)}
     rows = [r for r in cal.rows() if r.source.startswith("llmfoundry")]
     held = [r for r in rows if r.split == "test"]
-    assert len(rows) == 209 and len(held) == 192
-    assert {r.gpu.name for r in rows} == {"H100-SXM-MPT", "A100-80GB-MPT"}
+    assert len(rows) == 209 and len(held) == 185
+    assert {r.gpu.name for r in rows} == {"H100-SXM-MPT", "A100-80GB-MPT", "A100-40GB-MPT"}
     assert {r.gpu.hbm_bw for r in rows} == {3.35e12, 2.039e12, 1.555e12}
     assert {r.view.reshard_after_forward for r in held} == {True, False}  # ZeRO-3 and ZeRO-2
     assert {r.view.world for r in held} == {8, 16, 32, 64, 128, 256, 512}
     assert {r.setup.seq_len for r in held} == {2 ** i for i in range(9, 17)}
     kept = [found[r.name] for r in held if r.name not in MISSES]
-    assert len(kept) == 186 and all(abs(e) < 0.15 for e in kept)
-    assert sum(abs(e) for e in kept) / len(kept) < 0.04
+    assert len(kept) == 179 and all(abs(e) < 0.15 for e in kept)
+    assert sum(abs(e) for e in kept) / len(kept) < 0.03
     attention = dict(cal.FITTED.attention)
     assert attention["H100-SXM-MPT"] < attention["A100-80GB-MPT"] < 0.5 < attention["A100-80GB"]
 
