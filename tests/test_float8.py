@@ -12,7 +12,8 @@ same under fsdp2, tp, tp + sp (MLPerf's Llama 2 70B LoRA layout; measured: losse
 parameters 1.2e-4) and pp 2 with 1F1B (losses equal, parameters 4e-7), the merged weights of
 an export within 1e-4 (measured 3e-6); in one process the names, what trains, step 0 (the
 float8 base's logits exactly), a meta-built model filled by ``hf_load``, and the peft / merged
-exports. Not run here: real ``_scaled_mm``
+exports; the dry run of LoRA over float8 under pp 2 x tp 2 + sp (refused on this CPU unless
+emulated). Not run here: real ``_scaled_mm``
 kernels, their speed, and float8 all-gather on NCCL (``test_real_float8_on_gpu`` where a GPU is
 at hand).
 """
@@ -438,6 +439,60 @@ def test_emulated_float8_under_fsdp2_and_tp_matches_one_process(world2, name):
         for f in MERGED:
             assert (got["merged"][f] - ref["merged"][f]).abs().max().item() < 1e-4
             assert not torch.equal(got["merged"][f], frozen[f"{f}.weight"])
+
+
+#: MLPerf's Llama 2 70B LoRA layout, scaled down to world 4: an FP8 base, LoRA on attention,
+#: tp 2 + sp, pp 2
+DRY_RUN = """
+[model]
+architecture = "LlamaForCausalLM"
+[model.config]
+vocab_size = 1024
+hidden_size = 256
+intermediate_size = 512
+num_hidden_layers = 4
+num_attention_heads = 4
+num_key_value_heads = 4
+[data]
+seq_len = 64
+[train]
+global_batch_size = 8
+optimizer = "adamw"
+grad_clip = 0.3
+[plugins.float8]
+%s
+[plugins.lora]
+rank = 16
+alpha = 32.0
+target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+[plugins.tp]
+size = 2
+[plugins.sp]
+[plugins.pp]
+size = 2
+"""
+
+
+def test_a_dry_run_of_lora_over_float8_under_tp_sp_and_pp():
+    """The dry run applies the plan here, on the CPU, to a meta model on a fake world: float8's
+    device check refuses it (as it refuses megatron_fsdp's) unless emulated; emulated, the base
+    converts, the adapters go beside it, and pp, tp and sp lay both out: rank 0 holds stage 0's
+    two blocks, and trains their adapters only."""
+    from shardgraph.train.config import loads_pipeline
+    from shardgraph.train.dryrun import dryrun
+
+    with pytest.raises(PlanError) as info:
+        dryrun(loads_pipeline(DRY_RUN % ""), 4)
+    assert info.value.rule == "float8-device" and "emulate = true" in str(info.value)
+    report = dryrun(loads_pipeline(DRY_RUN % "emulate = true"), 4)
+    assert report["steps"] == ["float8", "lora", "pp", "tp", "sp"]
+    # per block: q, k, v colwise (A 16 x 256 whole, B 256 x 16 split by tp), o rowwise (A split,
+    # B whole); two blocks on rank 0's stage; fp32
+    adapters = 2 * 4 * (16 * 256 + 256 * 16 // 2) * 4
+    assert report["bytes"]["gradients"] == adapters
+    assert report["bytes"]["optimizer"] == 2 * adapters
+    rows = {(r["op"], r["group"]) for r in report["collectives"]}
+    assert {("send/recv", "pp"), ("all_reduce", "tp"), ("all_gather", "tp")} <= rows
 
 
 @pytest.mark.skipif(not HAS_FLOAT8_GPU, reason=GPU_REASON)
