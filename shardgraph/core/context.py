@@ -33,6 +33,12 @@ class MeshContext:
     world_size = property(lambda self: self.layout.world_size)
 
     @property
+    def simulated(self) -> bool:
+        """One rank of a world simulated in this process (``fake_world``: a dry run): the host's
+        devices are not the run's, so a step's check of the hardware it needs does not apply."""
+        return dist.is_initialized() and dist.get_backend() == "fake"
+
+    @property
     def device(self) -> torch.device:
         if self.device_type == "cpu":
             return torch.device("cpu")

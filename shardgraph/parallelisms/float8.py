@@ -119,7 +119,8 @@ def _model_check(model: nn.Module, options: Float8Options, ctx: MeshContext) -> 
         bad.append(Violation(
             "float8-torchao", ("plugins.float8",), f"float8 needs torchao ({exc})",
             hint="pip install 'shardgraph[float8]', or remove float8", plugin="float8"))
-    problem = None if options.emulate else _device_problem(ctx)
+    # a dry run simulates a rank of the target cluster here: this host's device is not its
+    problem = None if options.emulate or ctx.simulated else _device_problem(ctx)
     if problem is not None:
         bad.append(Violation(
             "float8-device", ("plugins.float8",), problem,
