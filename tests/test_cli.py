@@ -85,7 +85,8 @@ def test_explain_shows_steps_mesh_and_rank_groups(pipeline, capsys):
     assert "ep: [0 1] [2 3] [4 5] [6 7]" in out
 
 
-def test_console_script_runs_as_a_process(pipeline):
-    done = subprocess.run([sys.executable, "-m", "shardgraph.cli", "plan", pipeline(GOOD),
+@pytest.mark.parametrize("module", ["shardgraph.cli", "shardgraph"])
+def test_console_script_runs_as_a_process(pipeline, module):
+    done = subprocess.run([sys.executable, "-m", module, "plan", pipeline(GOOD),
                            "--world-size", "6"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "[world-size]" in done.stderr
