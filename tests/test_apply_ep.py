@@ -520,3 +520,41 @@ def test_local_experts_run_as_grouped_gemms_with_the_loops_numbers(dtype):
                                   odd.down_proj.transpose(-2, -1), [4, 0, 0])
     assert not _dispatch._grouped(rows[:0], experts.gate_up_proj.transpose(-2, -1),
                                   experts.down_proj.transpose(-2, -1), [0, 0, 0])
+
+
+def test_a_moe_block_that_raises_under_ep_x_tp_leaves_no_shape_behind():
+    """ep x tp slices a block's tokens in a pre-hook and gathers them in a forward hook, the
+    full shape going from one to the other; a block that raised between them left its shape
+    on the list for good. One rank's tp mesh runs the hooks (the slice is the whole)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardgraph.core.values import TPLayout
+    from shardgraph.parallelisms.ep._tokens import route_own_tokens
+
+    class Block(torch.nn.Module):
+        fail = False
+
+        def forward(self, hidden_states):
+            if self.fail:
+                raise ValueError("the block failed")
+            return hidden_states * 2, hidden_states.sum()
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        block = Block()
+        route = route_own_tokens(block, DeviceMesh("cpu", [0], mesh_dim_names=("tp",)),
+                                 TPLayout({}, None))
+        x = torch.arange(12.0).view(1, 3, 4)
+        block.fail = True
+        for call in (lambda: block(x), lambda: block(hidden_states=x)):
+            with pytest.raises(ValueError, match="the block failed"):
+                call()
+            assert route.pending == []
+        block.fail = False
+        out, total = block(hidden_states=x)
+        assert torch.equal(out, x * 2) and total == x.sum() and route.pending == []
+    finally:
+        if own_group:
+            dist.destroy_process_group()

@@ -27,34 +27,52 @@ from ...core.values import TPLayout
 SEQUENCE = 1  # (batch, sequence, hidden): the MoE block's input and output
 
 
-def route_own_tokens(block: nn.Module, mesh: DeviceMesh, layout: TPLayout) -> None:
+def route_own_tokens(block: nn.Module, mesh: DeviceMesh, layout: TPLayout) -> OwnTokens:
     """Hooks on ``block`` (over the tp ``mesh``) that give it this rank's tokens where the
     residual stream is replicated; nothing happens where it is sequence-sharded (asked of tp's
     ``layout`` at every call: sp switches it after this step)."""
-    full_shapes: list[tuple[torch.Size, tuple[int, ...]]] = []
+    route = OwnTokens(mesh, layout)
+    block.register_forward_pre_hook(route.take_slice, with_kwargs=True)
+    # always_call: torch runs the hook after a forward that raised too (with no output), so a
+    # failed call does not leave its full shape behind
+    block.register_forward_hook(route.gather, with_kwargs=True, always_call=True)
+    return route
 
-    def take_slice(module, args, kwargs):
-        if layout.sequence_sharded:
+
+class OwnTokens:
+    """One MoE block's hooks. ``pending``: the full (shape, stride) of each call under way
+    (one, as a block does not call itself), pushed by ``take_slice`` and popped by ``gather``,
+    which torch calls also when the block raised. (Under ``torch.compile`` torch skips
+    always-called hooks on an exception; the entry left then sits under later calls' own.)"""
+
+    def __init__(self, mesh: DeviceMesh, layout: TPLayout):
+        self.mesh, self.layout = mesh, layout
+        self.pending: list[tuple[torch.Size, tuple[int, ...]]] = []
+
+    def take_slice(self, module, args, kwargs):
+        if self.layout.sequence_sharded:
             return None
         if args:
             x, rest = args[0], args[1:]
         else:
             x, rest = kwargs.pop("hidden_states"), ()
-        full_shapes.append((x.shape, x.stride()))
-        local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(
+        self.pending.append((x.shape, x.stride()))
+        local = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(
             placements=[Shard(SEQUENCE)]).to_local()
         if args:
             return (local, *rest), kwargs
         return args, {**kwargs, "hidden_states": local}
 
-    def gather(module, args, kwargs, out):
-        if layout.sequence_sharded:
+    def gather(self, module, args, kwargs, out):
+        if self.layout.sequence_sharded:
             return None
-        shape, stride = full_shapes.pop()
+        if out is None:  # the block raised (or its slice did): nothing to gather
+            if self.pending:
+                self.pending.pop()
+            return None
+        shape, stride = self.pending.pop()
         first = out[0] if isinstance(out, tuple) else out
-        whole = DTensor.from_local(first, mesh, [Shard(SEQUENCE)], run_check=False, shape=shape,
-                                   stride=stride).redistribute(placements=[Replicate()]).to_local()
+        whole = DTensor.from_local(first, self.mesh, [Shard(SEQUENCE)], run_check=False,
+                                   shape=shape, stride=stride).redistribute(
+            placements=[Replicate()]).to_local()
         return (whole, *out[1:]) if isinstance(out, tuple) else whole
-
-    block.register_forward_pre_hook(take_slice, with_kwargs=True)
-    block.register_forward_hook(gather, with_kwargs=True)
