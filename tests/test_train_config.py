@@ -223,6 +223,40 @@ def test_pp_microbatches_of_the_files_local_batch_are_judged_before_launch(
     compile_for(loads_pipeline(example), 4)  # 2 microbatches of 2 fill 2 stages
 
 
+def test_the_plan_is_compiled_once_with_the_local_batch_the_loop_trains_on(monkeypatch):
+    """compile_for compiled the plan, then again with global_batch_size / dp for the pipeline
+    schedule's rules: now once, with that local batch. The first compile judged without it and
+    refused train.micro_batch_size = the whole local batch (4 = 8 / dp 2) under pp, which pp's
+    own rule and the step take as no second accumulation size."""
+    from shardgraph.graphs import graph as graph_module
+    from shardgraph.train.loop import compile_for
+
+    compiled = []
+    real = graph_module.compile_graph
+
+    def counted(graph, **kw):
+        compiled.append(graph.local_batch_size)
+        return real(graph, **kw)
+
+    monkeypatch.setattr(graph_module, "compile_graph", counted)
+    example = (Path(__file__).parents[1] / "examples" / "pp_fsdp2.toml").read_text()
+    assert compile_for(loads_pipeline(example), 4).layout.dp == 2
+    assert compiled == [4]
+    whole = example.replace("lr = 0.003", "lr = 0.003\nmicro_batch_size = 4")
+    compiled.clear()
+    assert [s.plugin for s in compile_for(loads_pipeline(whole), 4).steps] == ["pp", "fsdp2"]
+    assert compiled == [4]
+    # refused with the local batch: compiled again without it, what is wrong whatever the
+    # batch said alone (the second accumulation size, here without the local batch's count)
+    compiled.clear()
+    with pytest.raises(PlanError, match=r"micro_batch_size = 1 but pp's microbatch_size = 2"
+                       ) as err:
+        compile_for(loads_pipeline(example.replace("lr = 0.003",
+                                                   "lr = 0.003\nmicro_batch_size = 1")), 4)
+    assert compiled == [4, None] and len(err.value.violations) == 1
+    assert "microbatches)" not in str(err.value)
+
+
 def test_pp_microbatches_the_compile_did_not_judge_are_refused_by_the_dryrun():
     """With packed sequences the file's local batch is not handed to the plan's rules; the
     dry run's schedule table for too few microbatches was torch's ValueError."""

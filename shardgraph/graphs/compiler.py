@@ -110,6 +110,20 @@ def compile_graph(
     return Plan(layout=layout, steps=tuple(steps), registry=registry)
 
 
+def derived_dp(graph: Graph, *, world_size: int | None, gpus_per_node: int | None,
+               registry: Registry | None = None) -> int | None:
+    """The data-parallel degree ``compile`` derives for ``graph`` (its resolve and layout
+    stages alone), None where those stages find a problem (``compile`` says it). A caller whose
+    setting reads dp (train's local batch, global_batch_size / dp) then compiles once, with it."""
+    registry = registry if registry is not None else default_registry()
+    bad: list[Violation] = list(graph.problems)
+    resolved, unresolved = _resolve(graph.entries, registry, bad)
+    mesh = derive_mesh(_mesh_request(graph, resolved, world_size, gpus_per_node))
+    if bad or unresolved or mesh.violations or mesh.unknown or not mesh.world_known:
+        return None
+    return mesh.layout.dp
+
+
 def option_violations(graph: Graph, *, world_size: int, gpus_per_node: int,
                       registry: Registry | None = None) -> list[Violation]:
     """What is wrong with ``graph``'s plugins and options whatever the layout: the front end's

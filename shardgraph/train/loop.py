@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.batch import batch_split_violations
-from ..core.errors import PlanError, PlanWarning, Violation
+from ..core.errors import PlanError, Violation
+from ..graphs.local_batch import compile_with_local_batch
 from ..graphs.plan import Plan
 from . import checkpoint as ckpt
 from .config import Pipeline
@@ -39,7 +40,9 @@ def device_type() -> str:
 def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_size", *,
                 batch: bool = True) -> Plan:
     """The plan at ``world_size`` plus the training rules that need it (batch split;
-    ``batch`` False: not judged, its keys are reported bad already)."""
+    ``batch`` False: not judged, its keys are reported bad already). Compiled once, with the
+    local batch the loop trains on (``graphs.local_batch``); what only that batch shows comes
+    with the training rules, what is wrong whatever the batch before them, alone."""
     graph = pipeline.graph
     bad: list[Violation] = []
     if graph.world_size is not None and graph.world_size != world_size:
@@ -52,20 +55,22 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
         raise PlanError(bad)
     if nproc_key != "world_size":  # errors name the option the user gave
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": nproc_key})
-    plan = graph.compile(world_size=world_size)
-    dp, train = plan.layout.dp, pipeline.train
+    train = pipeline.train
+    if batch and graph.local_batch_size is None and not graph.packed_sequence_size:
+        # The plugins' rules on the local batch (a pipeline schedule's microbatches) are
+        # judged before launch, on the one this file gives: global_batch_size / dp. (With
+        # packed sequences NeMo's local_batch_size = 1 rule would read it: not derived.)
+        plan, late = compile_with_local_batch(
+            graph, world_size=world_size, global_batch=train.global_batch_size,
+            micro_batch=train.micro_batch_size, world_key=nproc_key)
+    else:
+        plan, late = graph.compile(world_size=world_size), []
+    dp = plan.layout.dp
     if batch:
         split = batch_split_violations(train.global_batch_size, train.micro_batch_size, dp,
                                        nproc_key, local_batch=graph.local_batch_size,
                                        local_key=graph.key("local_batch_size"))
-        bad += split
-        if not split and graph.local_batch_size is None and not graph.packed_sequence_size:
-            # The plugins' rules on the local batch (a pipeline schedule's microbatches) are
-            # judged here, before launch, on the one this file gives: global_batch_size / dp.
-            # (With packed sequences NeMo's local_batch_size = 1 rule would read it: not
-            # derived.)
-            judged, late = _with_local_batch(graph, world_size, train.global_batch_size, dp)
-            plan, bad = (judged, bad) if judged is not None else (plan, bad + late)
+        bad += split or late
     if pipeline.checkpoint.export_peft and not any(
             ckpt.ADAPTERS in plan.registry.get(s.plugin).provides for s in plan.steps):
         bad.append(Violation(
@@ -94,25 +99,6 @@ def compile_for(pipeline: Pipeline, world_size: int, nproc_key: str = "world_siz
     if bad:
         raise PlanError(bad)
     return plan
-
-
-def _with_local_batch(graph, world_size: int, global_batch: int,
-                      dp: int) -> tuple[Plan | None, list[Violation]]:
-    """The plan compiled again with ``local_batch_size = global_batch / dp`` (named by
-    ``train.global_batch_size``), and the problems that only that local batch shows, each
-    saying where its local batch comes from."""
-    local = global_batch // dp
-    derived = attrs.evolve(graph, local_batch_size=local,
-                           keys={**graph.keys, "local_batch_size": "train.global_batch_size"})
-    try:
-        with warnings.catch_warnings():  # the first compile has said them
-            warnings.simplefilter("ignore", PlanWarning)
-            return derived.compile(world_size=world_size), []
-    except PlanError as exc:
-        where = (f" (the local batch: train.global_batch_size / dp = {global_batch} / {dp} "
-                 f"= {local})")
-        return None, [attrs.evolve(v, message=v.message + where)
-                      if "train.global_batch_size" in v.keys else v for v in exc.violations]
 
 
 #: capabilities whose attention cannot keep packed documents apart
