@@ -521,7 +521,7 @@ def test_estimate_of_a_distributed_form_file_names_its_keys(tmp_path, capsys):
                   "[model.config]\nnum_attention_heads = 4\n[train]\nglobal_batch_size = 8\n")
     assert main(["estimate", path]) == 2
     err = capsys.readouterr().err
-    assert "[batch] distributed.pipeline.pp_microbatch_size, train.global_batch_size: " in err
+    assert "[option] distributed.pipeline.pp_microbatch_size, train.global_batch_size: " in err
     assert "[tp-divisible] model.config.num_attention_heads, distributed.tp_size: " in err
     assert "plugins." not in err
 
@@ -536,6 +536,22 @@ def test_a_model_the_planner_has_no_shape_for_comes_with_the_plans_problems(tmp_
     assert "model.architecture" in keys
     rules, keys = _reported(["plan", path, "--auto", "--world-size", "8", "--top", "0"], capsys)
     assert {"model", "value"} <= rules and {"model.architecture", "--top"} <= keys, keys
+
+
+def test_estimate_says_a_pipelines_microbatch_problem_in_trains_words(tmp_path, capsys):
+    """Microbatches of 4 of a local batch of 4 cannot fill pp = 2 stages. estimate said so with
+    its own copy of the rule ([batch], "a local batch of 4 sequences in microbatches of 4"),
+    train and dryrun with pp's; estimate now compiles with the local batch as they do."""
+    text = (ROOT / "examples" / "pp_fsdp2.toml").read_text()
+    path = _write(tmp_path, "pp.toml", text.replace("microbatch_size = 2", "microbatch_size = 4"))
+    said = {}
+    for command in ("estimate", "dryrun", "train"):
+        assert _dist.command(command, path) == 2, command
+        said[command] = capsys.readouterr().err.split(":\n", 1)[1]
+    assert said["estimate"] == said["dryrun"] == said["train"] == (
+        "  - [option] plugins.pp.microbatch_size, train.global_batch_size: 1 microbatches "
+        "cannot fill 2 pipeline stages (the local batch: train.global_batch_size / dp = 8 / 2 "
+        "= 4)\n    fix: make local_batch_size / microbatch_size >= pp = 2\n")
 
 
 def test_estimate_refuses_a_local_batch_the_loop_does_not_train_on_as_train_does(tmp_path,

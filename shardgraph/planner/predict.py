@@ -10,6 +10,7 @@ import attrs
 
 from ..core.batch import batch_split_violations
 from ..core.errors import PlanError, Violation, reported_under
+from ..graphs.local_batch import compile_with_local_batch
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
@@ -33,28 +34,6 @@ def setup_of(pipeline) -> Setup:
     states = {"adamw": 2, "sgd": 1 if t.momentum else 0}.get(t.optimizer, 2)
     return Setup(seq_len=pipeline.data.seq_len, global_batch=t.global_batch_size,
                  micro_batch=t.micro_batch_size, optimizer_states=states)
-
-
-def batch_violations(v: PlanView, setup: Setup, world_key: str, *,
-                     local_batch: int | None = None,
-                     local_key: str = "local_batch_size") -> list[Violation]:
-    """The training loop's batch rules (``train.loop.compile_for``'s, the same
-    ``batch_split_violations``), then the pipeline's microbatches of the local batch the loop
-    trains on (``train`` judges those by compiling again with it). ``local_batch``: the
-    file's local batch (``local_key``), refused when it is not ``global_batch / dp``."""
-    split = batch_split_violations(setup.global_batch, setup.micro_batch, v.dp, world_key,
-                                   local_batch=local_batch, local_key=local_key)
-    if split:
-        return split
-    local = setup.global_batch // v.dp
-    if v.pp > 1 and v.microbatch_size and (local % v.microbatch_size
-                                           or local // v.microbatch_size < v.pp):
-        return [Violation("batch", ("plugins.pp.microbatch_size", "train.global_batch_size"),
-                          f"a local batch of {local} sequences in microbatches of "
-                          f"{v.microbatch_size} cannot fill pp = {v.pp} stages",
-                          hint="make global_batch_size / dp a multiple of microbatch_size and "
-                          "at least pp microbatches")]
-    return []
 
 
 def model_violations(shape: ModelShape, v: PlanView, setup: Setup) -> list[Violation]:
@@ -290,21 +269,31 @@ def context(pipeline, world_size: int | None, gpus_per_node: int | None, gpu: st
 
 def compile_plan(pipeline, world_size: int | None, gpn: int | None, bad: list[Violation], *,
                  world_key: str, gpus_per_node_key: str, gpus_per_node: int | None,
-                 default_gpn: int, registry=None):
+                 default_gpn: int, registry=None, batch: Setup | None = None):
     """The plan of ``pipeline`` at ``world_size`` (None: not given), or None with its problems
-    added to ``bad``. ``gpn`` None: gpus_per_node is refused already, so the rule that reads
-    it (within-node) is not judged on a stand-in."""
+    added to ``bad``; and the problems only the local batch shows. ``gpn`` None:
+    gpus_per_node is refused already, so the rule that reads it (within-node) is not judged on
+    a stand-in. ``batch``: the training batch (None: its keys are reported bad already), whose
+    local batch (``global_batch / dp``) the plan is compiled with, as ``train`` does: the
+    plugins' own rules on it (a pipeline schedule's microbatches) are judged in the compile."""
     graph = pipeline.graph
     if world_size is None or graph.world_size != world_size:  # the argument wins over [mesh]
         graph = attrs.evolve(graph, keys={**graph.keys, "world_size": world_key})
     if gpus_per_node is not None:  # the argument wins over [cluster] and [mesh]
         graph = attrs.evolve(graph, keys={**graph.keys, "gpus_per_node": gpus_per_node_key})
     try:
-        return graph.compile(world_size=world_size, gpus_per_node=gpn or default_gpn,
-                             registry=registry)
+        if batch is None or graph.local_batch_size is not None or graph.packed_sequence_size:
+            plan, late = graph.compile(world_size=world_size,
+                                       gpus_per_node=gpn or default_gpn, registry=registry), []
+        else:
+            plan, late = compile_with_local_batch(
+                graph, world_size=world_size, global_batch=batch.global_batch,
+                micro_batch=batch.micro_batch, world_key=world_key,
+                gpus_per_node=gpn or default_gpn, registry=registry)
     except PlanError as exc:
         bad += [v for v in exc.violations if gpn is not None or v.rule != "within-node"]
-        return None
+        return None, []
+    return plan, late
 
 
 def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = None,
@@ -320,9 +309,12 @@ def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = No
     pipeline = loaded(pipeline)
     bad = list(problems)
     gpn, chip = context(pipeline, world_size, gpus_per_node, gpu, gpus_per_node_key, bad)
-    plan = compile_plan(pipeline, world_size, gpn, bad, world_key=world_key,
-                        gpus_per_node_key=gpus_per_node_key, gpus_per_node=gpus_per_node,
-                        default_gpn=chip.gpus_per_node, registry=registry)
+    setup = setup_of(pipeline)
+    judged = not reported_under(problems, "train.global_batch_size", "train.micro_batch_size")
+    plan, late = compile_plan(pipeline, world_size, gpn, bad, world_key=world_key,
+                              gpus_per_node_key=gpus_per_node_key, gpus_per_node=gpus_per_node,
+                              default_gpn=chip.gpus_per_node, registry=registry,
+                              batch=setup if judged else None)
     try:  # the model's shape whatever the plan: its problems come with the plan's
         shape = model_shape(pipeline.model)
     except PlanError as exc:
@@ -331,11 +323,12 @@ def estimate(pipeline, world_size: int | None, *, gpus_per_node: int | None = No
     if plan is None or shape is None:
         raise PlanError([_in_file_keys(b, pipeline.graph) for b in bad])
     v = plan_view(plan)
-    setup = setup_of(pipeline)
-    if not reported_under(problems, "train.global_batch_size", "train.micro_batch_size"):
+    if judged:  # the loop's split of the batch (train.loop.compile_for's rules), then the
+        # problems of the local batch it gives
         graph = pipeline.graph
-        bad += batch_violations(v, setup, world_key, local_batch=graph.local_batch_size,
-                                local_key=graph.key("local_batch_size"))
+        bad += batch_split_violations(setup.global_batch, setup.micro_batch, v.dp, world_key,
+                                      local_batch=graph.local_batch_size,
+                                      local_key=graph.key("local_batch_size")) or late
     if not reported_under(problems, "model", "data.seq_len"):
         bad += model_violations(shape, v, setup)
     if bad:

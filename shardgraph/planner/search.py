@@ -34,17 +34,18 @@ from typing import Any
 
 import attrs
 
+from ..core.batch import batch_split_violations
 from ..core.errors import PlanError, Violation
 from ..core.layout import MeshLayout, Settings
 from ..core.mesh import divisors
 from ..graphs.compiler import option_violations
+from ..graphs.local_batch import GLOBAL_KEY
 from ..graphs.toml import graph_from_dict
 from ..plugins.builtin import default_registry
 from .cost import Efficiency
 from .fitted import FITTED
 from .predict import (
     USABLE_HBM,
-    batch_violations,
     context,
     evaluate,
     fits,
@@ -165,16 +166,14 @@ def _base(pipeline, registry) -> Base:
 
 def _graph(registry, names, cand: Candidate, base, world: int, gpn: int,
            local_batch: int, fixed_key: str | None):
-    """The candidate's graph; ``fixed_key``: where the file gives the local batch (None:
-    derived, ``global_batch / dp``)."""
+    """The candidate's graph, with the local batch its plugins' rules read (a pipeline
+    schedule's microbatches), as train's compile gives it; ``fixed_key``: where the file gives
+    the local batch (None: derived, ``global_batch / dp``)."""
     graph = graph_from_dict({"plugins": cand.plugins(base, names),
                              "mesh": {"world_size": world, "gpus_per_node": gpn}},
                             registry=registry)
-    if fixed_key is not None:  # every plugin's rule reads the file's, as train's compile does
-        graph.local_batch_size = local_batch
-        graph.keys["local_batch_size"] = fixed_key
-    elif cand.pp > 1:
-        graph.local_batch_size = local_batch  # lets pp's check run the schedule's rules
+    graph.local_batch_size = local_batch
+    graph.keys["local_batch_size"] = fixed_key or GLOBAL_KEY
     return graph
 
 
@@ -429,8 +428,9 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             continue
         counts["compiled"] += 1
         v = plan_view(plan)
-        if batch_violations(v, setup_for(cand), "world_size", local_batch=fixed,
-                            local_key=fixed_key or "local_batch_size") or \
+        if batch_split_violations(setup.global_batch, setup_for(cand).micro_batch, v.dp,
+                                  "world_size", local_batch=fixed,
+                                  local_key=fixed_key or "local_batch_size") or \
                 model_violations(shape, v, setup):
             counts["refused"] += 1
             continue
