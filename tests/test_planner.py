@@ -337,6 +337,93 @@ def test_a_local_batch_of_the_wrong_type_is_refused_before_searching(tmp_path, c
             "positive integer, got 0") in err, err
     assert "[value] --top: --top must be >= 1, got 0" in err
 
+DP_4 = TINY.replace("[plugins.mixed_precision]\n", "[distributed]\ndp_size = 4\ntp_size = 2\n"
+                   "[distributed.mixed_precision]\n")
+
+
+def _pasted(text: str, out: str) -> str:
+    """``text`` with its [distributed] section replaced by the best plan ``plan --auto``
+    printed (its micro-batch comment moved into [train])."""
+    printed = out.split("best plan:\n", 1)[1].split("\n\n", 1)[0]
+    tables = "\n".join(line.removeprefix("  ") for line in printed.splitlines())
+    text = text.split("[distributed]\n", 1)[0] + tables + "\n"
+    micro = re.search(r"# and in \[train\]: micro_batch_size = (\d+)", tables)
+    return text.replace("[train]\n", f"[train]\nmicro_batch_size = {micro[1]}\n") if micro \
+        else text
+
+
+def test_autoplan_keeps_the_files_dp_size_and_train_takes_its_best_plans(tmp_path, capsys):
+    """[distributed] dp_size = 4 on 8 GPUs is a constraint of the run (train refuses another
+    dp: the compiler's dp-size rule), as a torchtitan or NeMo dp size is. The search dropped
+    it and ranked dp = 2 first (pp 4); now it tries dp = 4 only and says so, and says that
+    the file's tp_size is one it chooses."""
+    from shardgraph.train.loop import compile_for
+
+    result = autoplan(DP_4, 8, top=3, gpus_per_node=4)
+    rows = result["candidates"]
+    assert len(rows) == 3
+    assert result["dp_size"] == {"key": "distributed.dp_size", "size": 4}
+    assert result["replaced_sizes"] == {"distributed.tp_size": 2}
+    for row in rows:
+        sizes = row["sizes"]
+        assert sizes["dp_replicate"] * sizes["dp_shard"] == 4, row["summary"]
+        assert compile_for(loads_pipeline(_as_file(TINY, row)), 8).layout.dp == 4
+    path = tmp_path / "p.toml"
+    path.write_text(DP_4)
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--gpus-per-node", "4",
+                 "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("the file fixes dp at 4 (distributed.dp_size): only layouts with dp = 4 are "
+            "searched\n" in out), out
+    assert ("the search chooses the model-parallel sizes: each plan has its own, not the "
+            "file's distributed.tp_size = 2\n" in out), out
+    # the printed best plan, pasted in place of the file's [distributed] section, is one
+    # train takes, with the file's dp
+    assert compile_for(loads_pipeline(_pasted(DP_4, out)), 8).layout.dp == 4
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dp_size"]["size"] == 4
+
+
+@pytest.mark.parametrize("size, message, hint", [
+    (3, "distributed.dp_size = 3 does not divide train.global_batch_size = 16 (each of dp "
+        "ranks trains on global_batch_size / dp sequences)",
+     "set distributed.dp_size to one of 1, 2, 4, 8 (the dp of the layouts over 8 GPUs), or "
+     "remove it (the search then tries every dp)"),
+    (16, "distributed.dp_size = 16 but no layout over 8 GPUs has dp = 16",
+     "set distributed.dp_size to one of 1, 2, 4, 8 (the dp of the layouts over 8 GPUs), or "
+     "remove it (the search then tries every dp); or keep it and use --world-size 16"),
+])
+def test_a_dp_size_no_layout_gives_is_refused_with_the_ones_that_work(size, message, hint):
+    with pytest.raises(PlanError) as err:
+        autoplan(DP_4.replace("dp_size = 4", f"dp_size = {size}"), 8, gpus_per_node=4)
+    (v,) = err.value.violations
+    assert v.rule == "dp-size"
+    assert v.keys == ("distributed.dp_size", "train.global_batch_size", "--world-size")
+    assert v.message == message
+    assert v.hint == hint
+
+
+def test_a_dp_size_is_checked_before_searching_and_against_the_local_batch(tmp_path, capsys):
+    """dp_size = 0 was ignored by plan --auto (the compile refuses it); a dp_size and a local
+    batch that disagree leave no layout: one error names both."""
+    path = tmp_path / "p.toml"
+    path.write_text(DP_4.replace("dp_size = 4", "dp_size = 0"))
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--top", "0"]) == 2
+    err = capsys.readouterr().err
+    assert ("[size] distributed.dp_size: distributed.dp_size must be a positive integer, got 0"
+            in err), err
+    assert "[value] --top: --top must be >= 1, got 0" in err
+    with pytest.raises(PlanError) as err:
+        autoplan(DP_4 + "[step_scheduler]\nlocal_batch_size = 8\n", 8, gpus_per_node=4)
+    (v,) = err.value.violations
+    assert v.rule == "batch" and v.keys == ("step_scheduler.local_batch_size",
+                                            "distributed.dp_size", "train.global_batch_size")
+    assert v.message == ("step_scheduler.local_batch_size = 8 needs dp = 16 / 8 = 2 "
+                         "data-parallel ranks, but distributed.dp_size = 4")
+    assert v.hint == ("set step_scheduler.local_batch_size = 4 (global_batch_size / dp_size), "
+                      "or remove one of the two")
+
+
 def test_no_plan_fits_is_a_plan_error():
     with pytest.raises(PlanError) as err:
         autoplan(LLAMA_70B.replace("1024", "8"), 8, gpu="A100-80GB")

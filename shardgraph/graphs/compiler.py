@@ -127,7 +127,8 @@ def derived_dp(graph: Graph, *, world_size: int | None, gpus_per_node: int | Non
 def option_violations(graph: Graph, *, world_size: int, gpus_per_node: int,
                       registry: Registry | None = None) -> list[Violation]:
     """What is wrong with ``graph``'s plugins and options whatever the layout: the front end's
-    problems, the graph's settings (``local_batch_size``, ``packed_sequence_size``, ...),
+    problems, the graph's settings (``local_batch_size``, ``packed_sequence_size``,
+    ``dp_size``, ...),
     unknown or repeated plugins, unknown options, wrong types, and the rules a plugin's
     ``check`` states on the options the user gave alone (a rule naming a size or a setting as
     well depends on the layout, and is ``compile``'s). ``plan --auto`` reads this before it
@@ -135,6 +136,8 @@ def option_violations(graph: Graph, *, world_size: int, gpus_per_node: int,
     registry = registry if registry is not None else default_registry()
     bad: list[Violation] = list(graph.problems)
     _settings(graph, bad)
+    if graph.dp_size is not None:
+        positive(graph.dp_size, graph.key("dp_size"), bad)
     resolved, _ = _resolve(graph.entries, registry, bad)
     # no built-in check reads the layout; one over plain data parallelism stands in for it
     layout = MeshLayout(world_size=world_size, gpus_per_node=gpus_per_node,

@@ -91,6 +91,14 @@ def render_candidates(result: dict[str, Any]) -> str:
         lines.append(f"the file fixes the local batch at {n} ({result['local_batch']['key']}), "
                      f"so dp = global_batch_size / {n} = {n * dp} / {n} = {dp}: only layouts "
                      f"with dp = {dp} are searched")
+    if result.get("dp_size"):
+        fixed = result["dp_size"]
+        lines.append(f"the file fixes dp at {fixed['size']} ({fixed['key']}): only layouts with "
+                     f"dp = {fixed['size']} are searched")
+    if result.get("replaced_sizes"):
+        given = ", ".join(f"{k} = {v}" for k, v in result["replaced_sizes"].items())
+        lines.append(f"the search chooses the model-parallel sizes: each plan has its own, not "
+                     f"the file's {given}")
     lines += ["", "best plan:"]
     best = rows[0]
     lines += ["  " + line for line in _toml(best).splitlines()]

@@ -199,9 +199,9 @@ class _Views:
 
 def _pp_options(registry, names, shape: ModelShape, setup: Setup, world: int, tp: int,
                 cp: int, cache: dict,
-                local_batch: int | None) -> list[tuple[int, str | None, list[int]]]:
+                fixed: Fixed) -> list[tuple[int, str | None, list[int]]]:
     """(pp, schedule, pipeline micro-batch sizes the pipeline plugin's check accepts) for
-    every pp degree (whose dp gives ``local_batch``, when given)."""
+    every pp degree (whose dp the file's ``fixed`` allows)."""
     out: list[tuple[int, str | None, list[int]]] = []
     rest = world // (tp * cp)
     plugin = registry.get(names["pp"]) if "pp" in names else None
@@ -212,7 +212,7 @@ def _pp_options(registry, names, shape: ModelShape, setup: Setup, world: int, tp
         if plugin is None or pp > shape.layers:
             continue
         dp = rest // pp
-        if not _splits(setup.global_batch, dp, local_batch):
+        if not fixed.allows(setup.global_batch, dp):
             continue
         lb = setup.global_batch // dp
         for name in AUTO_SCHEDULES:
@@ -269,21 +269,40 @@ def _micro_choices(sizes: list[int], fits) -> list[int]:
     return sorted({sizes[lo], sizes[0], sizes[lo // 2]}, reverse=True)
 
 
-def _splits(global_batch: int, dp: int, local_batch: int | None) -> bool:
-    """Whether ``dp`` ranks split the global batch, into ``local_batch`` each when given."""
-    return not global_batch % dp and local_batch in (None, global_batch // dp)
+@attrs.frozen
+class Fixed:
+    """What the file fixes of the data parallelism, kept by the search as constraints of the
+    run (train refuses a plan that differs): ``local_batch`` (``[step_scheduler]
+    local_batch_size``: dp = global_batch_size / local_batch_size) and ``dp`` (``[distributed]
+    dp_size``), each with the key the file gives it under; None where not given."""
+
+    local_batch: int | None = None
+    local_key: str | None = None
+    dp: int | None = None
+    dp_key: str | None = None
+
+    def allows(self, global_batch: int, dp: int) -> bool:
+        """Whether ``dp`` ranks split the global batch, as the file fixes them."""
+        return not global_batch % dp and self.local_batch in (None, global_batch // dp) \
+            and self.dp in (None, dp)
+
+
+def fixed_of(graph) -> Fixed:
+    lbs, dp = graph.local_batch_size, graph.dp_size
+    return Fixed(lbs, graph.key("local_batch_size") if lbs is not None else None,
+                 dp, graph.key("dp_size") if dp is not None else None)
 
 
 def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
                          registry, names: dict[str, str], allow_ddp: bool = True, *,
-                         local_batch: int | None = None) -> list[tuple[Candidate, list[int]]]:
+                         fixed: Fixed = Fixed()) -> list[tuple[Candidate, list[int]]]:
     """Every layout (hsdp aside) with the micro-batch sizes it may take; a role no registered
-    plugin plays is not tried. ``local_batch``: the file's local batch (only the layouts whose
-    dp splits the global batch into it: train refuses the others)."""
+    plugin plays is not tried. ``fixed``: what the file fixes of dp (only the layouts whose dp
+    it allows: train refuses the others)."""
     out = []
     if world == 1:
-        return [(Candidate(None), divisors(setup.global_batch))] if _splits(
-            setup.global_batch, 1, local_batch) else []
+        return [(Candidate(None), divisors(setup.global_batch))] if fixed.allows(
+            setup.global_batch, 1) else []
     allow_ddp = allow_ddp and "ddp" in names
     modes = ac_modes(registry, names)
     pp_cache: dict = {}
@@ -300,9 +319,9 @@ def enumerate_candidates(shape: ModelShape, setup: Setup, world: int, gpn: int,
             if cp > MAX_CP or setup.seq_len % (2 * cp) or (cp > 1 and "cp" not in names):
                 continue
             for pp, sched, pp_sizes in _pp_options(registry, names, shape, setup, world, tp, cp,
-                                                   pp_cache, local_batch):
+                                                   pp_cache, fixed):
                 dp = world // (tp * cp * pp)
-                if not _splits(setup.global_batch, dp, local_batch):
+                if not fixed.allows(setup.global_batch, dp):
                     continue
                 local = setup.global_batch // dp
                 sizes = pp_sizes if pp > 1 else divisors(local)
@@ -346,15 +365,15 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     if bad:
         raise PlanError(bad)
     setup = setup_of(pipeline)
-    # the file's local batch fixes dp = global / local: train refuses any other
-    # (core.batch.batch_split_violations), so only those layouts are searched
-    fixed = pipeline.graph.local_batch_size
-    fixed_key = pipeline.graph.key("local_batch_size") if fixed is not None else None
+    # the file's local batch fixes dp = global / local, its dp_size dp: train refuses any
+    # other (core.batch.batch_split_violations, the compiler's dp-size rule), so only those
+    # layouts are searched
+    pinned = fixed_of(pipeline.graph)
+    fixed, fixed_key = pinned.local_batch, pinned.local_key
     layouts = enumerate_candidates(shape, setup, world_size, gpn, registry, names,
-                                   local_batch=fixed)
-    if fixed is not None and not layouts:
-        v = _local_batch_violation(shape, setup, world_size, gpn, registry, names, fixed,
-                                   fixed_key)
+                                   fixed=pinned)
+    if pinned != Fixed() and not layouts:
+        v = _fixed_violation(shape, setup, world_size, gpn, registry, names, pinned)
         if v is not None:
             raise PlanError([v])
     base = _base(pipeline, registry)
@@ -439,10 +458,14 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     if not results and refused is not None:
         raise refused  # every plan that fits was refused: the first says why (the user's plan)
     batch = f"global_batch_size = {setup.global_batch}" + (
-        f", {fixed_key} = {fixed} (dp = {setup.global_batch // fixed})" if fixed else "")
-    keys = ("--world-size", "train.global_batch_size", *((fixed_key,) if fixed else ()))
+        f", {fixed_key} = {fixed} (dp = {setup.global_batch // fixed})" if fixed else "") + (
+        f", {pinned.dp_key} = {pinned.dp}" if pinned.dp else "")
+    keys = ("--world-size", "train.global_batch_size", *((fixed_key,) if fixed else ()),
+            *((pinned.dp_key,) if pinned.dp else ()))
+    only = pinned.dp or (setup.global_batch // fixed if fixed else None)
+    remove = " or ".join(k for k in (fixed_key, pinned.dp_key) if k)
     if not results and not counts["layouts"]:
-        near = _worlds_with_layouts(shape, setup, world_size, gpn, registry, names, fixed)
+        near = _worlds_with_layouts(shape, setup, world_size, gpn, registry, names, pinned)
         raise PlanError([Violation(
             "no-plan", keys,
             f"no layout of {shape.architecture} ({_count(shape.n_params)} parameters) splits "
@@ -459,8 +482,8 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             f"{world_size} x {chip.name} with {batch} and "
             f"seq_len = {setup.seq_len} ({counts['layouts']} layouts tried)",
             hint="use more or larger GPUs, a shorter sequence, or a global batch size with more "
-            "divisors" + (f" (or remove {fixed_key}: it allows dp = "
-                          f"{setup.global_batch // fixed} only)" if fixed else ""))])
+            "divisors" + (f" (or remove {remove}: it allows dp = {only} only)" if only
+                          else ""))])
     software = _software(registry, base, names, chosen[0], results[0], view, shape,
                          setup_for(chosen[0]), chip, eff, fixed_key)
     counts["seconds"] = round(time.perf_counter() - began, 3)
@@ -468,19 +491,77 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     out = {"candidates": shown, "searched": counts, "software": software, "why": _why(shown)}
     if fixed is not None:
         out["local_batch"] = {"key": fixed_key, "size": fixed, "dp": setup.global_batch // fixed}
+    if pinned.dp is not None:
+        out["dp_size"] = {"key": pinned.dp_key, "size": pinned.dp}
+    replaced = _replaced_sizes(pipeline.graph, registry)
+    if replaced:
+        out["replaced_sizes"] = replaced
     return out
 
 
-def _local_batch_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
-                           names: dict[str, str], local: int, key: str) -> Violation | None:
-    """The file's local batch that no layout over ``world`` GPUs trains on, with the local
-    batches that some layout does; None when no layout splits the job at all (the world's
-    problem, said as such)."""
+def _replaced_sizes(graph, registry) -> dict[str, int]:
+    """The sizes the file gives to plugins whose place the search decides (tp, pp, cp, ep,
+    hsdp), by the key the file gives each under: each plan has its own (1, the default, is no
+    choice of the file's and is left out)."""
+    out = {}
+    for entry in graph.entries:
+        size = entry.options.get("size")
+        if entry.name in registry and registry.get(entry.name).provides & DECIDED and \
+                size not in (None, 1):
+            out[entry.origin("size")] = size
+    return out
+
+
+def _fixed_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
+                     names: dict[str, str], fixed: Fixed) -> Violation | None:
+    """What the file fixes of dp that no layout over ``world`` GPUs has: its dp_size, else
+    its local batch, with the values some layout does have, or the two disagreeing; None when
+    no layout splits the job at all (the world's problem, said as such)."""
     g = setup.global_batch
-    valid = sorted({g // (world // (c.tp * c.pp * c.cp))
-                    for c, _ in enumerate_candidates(shape, setup, world, gpn, registry, names)})
-    if not valid:
+    dps = sorted({world // (c.tp * c.pp * c.cp)
+                  for c, _ in enumerate_candidates(shape, setup, world, gpn, registry, names)})
+    if not dps:
         return None
+    dp, local = fixed.dp, fixed.local_batch
+    if dp is not None and dp not in dps:
+        return _dp_violation(shape, setup, world, gpn, registry, names, dp, fixed.dp_key, dps)
+    if dp is not None and local is not None and not g % local:
+        return Violation(
+            "batch", (fixed.local_key, fixed.dp_key, "train.global_batch_size"),
+            f"{fixed.local_key} = {local} needs dp = {g} / {local} = {g // local} "
+            f"data-parallel ranks, but {fixed.dp_key} = {dp}",
+            hint=f"set {fixed.local_key} = {g // dp} (global_batch_size / dp_size), or remove "
+            f"one of the two")
+    return _local_batch_violation(shape, setup, world, gpn, registry, names, local,
+                                  fixed.local_key, [g // d for d in dps if dp in (None, d)])
+
+
+def _dp_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
+                  names: dict[str, str], dp: int, key: str, dps: list[int]) -> Violation:
+    """The file's dp_size that no layout over ``world`` GPUs has (``dps``: those some does)."""
+    g = setup.global_batch
+    if g % dp:
+        message = (f"{key} = {dp} does not divide train.global_batch_size = {g} (each of dp "
+                   "ranks trains on global_batch_size / dp sequences)")
+    else:
+        message = f"{key} = {dp} but no layout over {world} GPUs has dp = {dp}"
+    hint = (f"set {key} to one of {', '.join(map(str, dps))} (the dp of the layouts over "
+            f"{world} GPUs), or remove it (the search then tries every dp)")
+    near = _worlds_with_layouts(shape, setup, world, gpn, registry, names,
+                                Fixed(dp=dp, dp_key=key)) if not g % dp else []
+    if near:
+        hint += f"; or keep it and use --world-size {' or '.join(map(str, near))}"
+    return Violation("dp-size", (key, "train.global_batch_size", "--world-size"), message,
+                     hint=hint)
+
+
+def _local_batch_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
+                           names: dict[str, str], local: int, key: str,
+                           valid: list[int]) -> Violation:
+    """The file's local batch that no layout over ``world`` GPUs trains on, with the local
+    batches that some layout does (``valid``)."""
+    g = setup.global_batch
+    valid = sorted(set(valid))
     if g % local:
         message = (f"{key} = {local} does not divide train.global_batch_size = {g} (each of dp "
                    "ranks trains on global_batch_size / dp sequences)")
@@ -489,8 +570,8 @@ def _local_batch_violation(shape: ModelShape, setup: Setup, world: int, gpn: int
                    f"ranks, and no layout over {world} GPUs has them")
     hint = (f"set {key} to one of {', '.join(map(str, valid))} (global_batch_size / dp of the "
             f"layouts over {world} GPUs), or remove it (the search then tries every dp)")
-    near = _worlds_with_layouts(shape, setup, world, gpn, registry, names, local) \
-        if not g % local else []
+    near = _worlds_with_layouts(shape, setup, world, gpn, registry, names,
+                                Fixed(local, key)) if not g % local else []
     if near:
         hint += f"; or keep it and use --world-size {' or '.join(map(str, near))}"
     return Violation("batch", (key, "train.global_batch_size", "--world-size"), message,
@@ -592,16 +673,16 @@ def _parts(est: dict[str, Any]) -> dict[str, float]:
 
 
 def _worlds_with_layouts(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
-                         names: dict[str, str], local_batch: int | None = None,
+                         names: dict[str, str], fixed: Fixed = Fixed(),
                          reach: int = 64) -> list[int]:
     """The nearest world sizes below and above ``world`` (within ``reach``) that some layout
-    splits the job over (into ``local_batch`` sequences a rank, when given)."""
+    splits the job over (as the file ``fixed`` it)."""
     out = []
     for others in (range(world - 1, max(0, world - reach), -1),
                    range(world + 1, world + reach)):
         found = next((w for w in others
                       if enumerate_candidates(shape, setup, w, gpn, registry, names,
-                                              local_batch=local_batch)), None)
+                                              fixed=fixed)), None)
         if found is not None:
             out.append(found)
     return out
