@@ -285,22 +285,13 @@ def test_autoplan_keeps_the_files_local_batch_and_train_takes_its_best_plans(tmp
         # the file with the row's tables and its [step_scheduler] kept: train compiles it
         plan = compile_for(loads_pipeline(_as_file(LOCAL_8, row)), 8)
         assert plan.layout.dp == 2
-    path = tmp_path / "p.toml"
-    path.write_text(LOCAL_8)
-    assert main(["plan", "--auto", str(path), "--world-size", "8", "--gpus-per-node", "4",
-                 "--top", "1"]) == 0
-    out = capsys.readouterr().out
+    out = _best_printed(tmp_path, capsys, LOCAL_8)
     assert ("the file fixes the local batch at 8 (step_scheduler.local_batch_size), so dp = "
             "global_batch_size / 8 = 16 / 8 = 2: only layouts with dp = 2 are searched\n"
             in out), out
     # the printed best plan, pasted as it is in place of the file's [plugins.*] tables (its
     # micro-batch comment moved into [train]), is one train takes
-    printed = out.split("best plan:\n", 1)[1].split("\n\n", 1)[0]
-    tables = "\n".join(line.removeprefix("  ") for line in printed.splitlines())
-    text = LOCAL_8.replace("[plugins.mixed_precision]\n", "") + tables + "\n"
-    micro = re.search(r"# and in \[train\]: micro_batch_size = (\d+)", tables)
-    if micro:
-        text = text.replace("[train]\n", f"[train]\nmicro_batch_size = {micro[1]}\n")
+    text = _with_best_plan(LOCAL_8.replace("[plugins.mixed_precision]\n", ""), out)
     assert compile_for(loads_pipeline(text), 8).layout.dp == 2
 
 
@@ -341,12 +332,21 @@ DP_4 = TINY.replace("[plugins.mixed_precision]\n", "[distributed]\ndp_size = 4\n
                    "[distributed.mixed_precision]\n")
 
 
-def _pasted(text: str, out: str) -> str:
-    """``text`` with its [distributed] section replaced by the best plan ``plan --auto``
-    printed (its micro-batch comment moved into [train])."""
+def _best_printed(tmp_path, capsys, text: str) -> str:
+    """What ``plan --auto`` prints for ``text`` on 8 GPUs, 4 a node, its best plan only."""
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    assert main(["plan", "--auto", str(path), "--world-size", "8", "--gpus-per-node", "4",
+                 "--top", "1"]) == 0
+    return capsys.readouterr().out
+
+
+def _with_best_plan(text: str, out: str) -> str:
+    """``text`` (a file without its plan) with the best plan ``plan --auto`` printed in
+    ``out``, its micro-batch comment moved into [train]."""
     printed = out.split("best plan:\n", 1)[1].split("\n\n", 1)[0]
     tables = "\n".join(line.removeprefix("  ") for line in printed.splitlines())
-    text = text.split("[distributed]\n", 1)[0] + tables + "\n"
+    text += tables + "\n"
     micro = re.search(r"# and in \[train\]: micro_batch_size = (\d+)", tables)
     return text.replace("[train]\n", f"[train]\nmicro_batch_size = {micro[1]}\n") if micro \
         else text
@@ -368,19 +368,17 @@ def test_autoplan_keeps_the_files_dp_size_and_train_takes_its_best_plans(tmp_pat
         sizes = row["sizes"]
         assert sizes["dp_replicate"] * sizes["dp_shard"] == 4, row["summary"]
         assert compile_for(loads_pipeline(_as_file(TINY, row)), 8).layout.dp == 4
-    path = tmp_path / "p.toml"
-    path.write_text(DP_4)
-    assert main(["plan", "--auto", str(path), "--world-size", "8", "--gpus-per-node", "4",
-                 "--top", "1"]) == 0
-    out = capsys.readouterr().out
+    out = _best_printed(tmp_path, capsys, DP_4)
     assert ("the file fixes dp at 4 (distributed.dp_size): only layouts with dp = 4 are "
             "searched\n" in out), out
     assert ("the search chooses the model-parallel sizes: each plan has its own, not the "
             "file's distributed.tp_size = 2\n" in out), out
     # the printed best plan, pasted in place of the file's [distributed] section, is one
     # train takes, with the file's dp
-    assert compile_for(loads_pipeline(_pasted(DP_4, out)), 8).layout.dp == 4
-    assert main(["plan", "--auto", str(path), "--world-size", "8", "--json"]) == 0
+    text = _with_best_plan(DP_4.split("[distributed]\n", 1)[0], out)
+    assert compile_for(loads_pipeline(text), 8).layout.dp == 4
+    assert main(["plan", "--auto", str(tmp_path / "p.toml"), "--world-size", "8",
+                 "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dp_size"]["size"] == 4
 
 
