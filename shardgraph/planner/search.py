@@ -288,6 +288,7 @@ class Fixed:
 
 
 def fixed_of(graph) -> Fixed:
+    """What ``graph`` (a file's) fixes of dp."""
     lbs, dp = graph.local_batch_size, graph.dp_size
     return Fixed(lbs, graph.key("local_batch_size") if lbs is not None else None,
                  dp, graph.key("dp_size") if dp is not None else None)
@@ -463,7 +464,8 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     keys = ("--world-size", "train.global_batch_size", *((fixed_key,) if fixed else ()),
             *((pinned.dp_key,) if pinned.dp else ()))
     only = pinned.dp or (setup.global_batch // fixed if fixed else None)
-    remove = " or ".join(k for k in (fixed_key, pinned.dp_key) if k)
+    given = [k for k in (fixed_key, pinned.dp_key) if k]
+    remove = " and ".join(given) + (": they allow" if len(given) > 1 else ": it allows")
     if not results and not counts["layouts"]:
         near = _worlds_with_layouts(shape, setup, world_size, gpn, registry, names, pinned)
         raise PlanError([Violation(
@@ -482,8 +484,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
             f"{world_size} x {chip.name} with {batch} and "
             f"seq_len = {setup.seq_len} ({counts['layouts']} layouts tried)",
             hint="use more or larger GPUs, a shorter sequence, or a global batch size with more "
-            "divisors" + (f" (or remove {remove}: it allows dp = {only} only)" if only
-                          else ""))])
+            "divisors" + (f" (or remove {remove} dp = {only} only)" if only else ""))])
     software = _software(registry, base, names, chosen[0], results[0], view, shape,
                          setup_for(chosen[0]), chip, eff, fixed_key)
     counts["seconds"] = round(time.perf_counter() - began, 3)
@@ -532,6 +533,8 @@ def _fixed_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, regi
             f"data-parallel ranks, but {fixed.dp_key} = {dp}",
             hint=f"set {fixed.local_key} = {g // dp} (global_batch_size / dp_size), or remove "
             f"one of the two")
+    if local is None:
+        return None
     return _local_batch_violation(shape, setup, world, gpn, registry, names, local,
                                   fixed.local_key, [g // d for d in dps if dp in (None, d)])
 
