@@ -1485,7 +1485,8 @@ def test_torchaos_float8_linears_are_priced_with_a_frozen_weights_gradient():
     the planner prices those matmuls and the casts they read: a LoRA step of shardgraph's
     float8 costs its full fine-tune's compute and the adapters' traffic on top, where
     Transformer Engine's stack (``fused_float8_casts``, MLPerf's LoRA runs) skips them as
-    frozen plain linears do."""
+    frozen plain linears do. float8's cost declares it (``Cost.frozen_weight_grads``), and a
+    source declares that its float8 does not (``frozen_weight_grads = false``)."""
     import attrs
 
     from shardgraph.planner import calibration as cal
@@ -1495,14 +1496,22 @@ def test_torchaos_float8_linears_are_priced_with_a_frozen_weights_gradient():
     row = next(r for r in cal.rows() if r.name == "Llama 2 70B LoRA r16 TP 4 8 H100 FP8 "
                "(MLPerf Training v4.1)")
     assert row.view.float8_linears and row.view.fused_float8_casts and row.view.adapter_rank
+    assert not row.view.frozen_weight_grads  # the source's declaration over the plugin's
+    from shardgraph import Graph
+    from shardgraph.planner.view import plan_view
+
+    ours = plan_view(Graph().add("fsdp2").add("float8").add("lora", rank=16,
+                                                            match_all_linear=True).compile(
+        world_size=8))
+    assert ours.frozen_weight_grads and ours.float8_linears and ours.adapter_rank == 16
 
     def compute(**changes) -> float:
         view = attrs.evolve(row.view, **changes)
         return step_time(row.shape, view, row.setup, row.gpu, FITTED)["breakdown_s"]["compute"]
 
     te_lora, te_full = compute(), compute(adapter_rank=0)
-    torchao_lora = compute(fused_float8_casts=False)
-    torchao_full = compute(fused_float8_casts=False, adapter_rank=0)
+    torchao_lora = compute(fused_float8_casts=False, frozen_weight_grads=True)
+    torchao_full = compute(fused_float8_casts=False, frozen_weight_grads=True, adapter_rank=0)
     assert te_lora < 0.9 * te_full  # a third of the linears' FLOPs not run
     assert torchao_lora > torchao_full > te_full  # run, and their casts read besides
 

@@ -149,6 +149,9 @@ class Cost:
     ``compute_speedup``: the step's gain on compute time, as a published ratio;
     ``float8_linears``: the blocks' linears run their matmuls in float8 (inputs and weights cast
     and scaled each pass; the planner prices the gain where the GPU has float8 tensor cores);
+    ``frozen_weight_grads``: those float8 linears compute a frozen weight's gradient all the same
+    (torchao's autograd Function returns one whatever autograd needs): under LoRA their
+    weight-gradient matmuls and casts still run;
     ``fused_elementwise``: it fuses the norms, activations and residual adds into few kernels
     (a compiler), whose partitioner keeps less for backward (the planner's fitted share of a
     block's saved bytes); ``activation_scale``: its effect on activation memory.
@@ -192,6 +195,7 @@ class Cost:
     compute_speedup: float = 1.0
     float8_linears: bool = False
     fused_elementwise: bool = False
+    frozen_weight_grads: bool = False
     fused_loss: bool = False
     matmul_overlap: bool = False
     overlap_p2p: bool = False

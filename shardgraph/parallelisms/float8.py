@@ -170,8 +170,10 @@ def _apply(model: nn.Module, options: Float8Options, ctx: MeshContext, inputs: d
 def _cost(options: Float8Options, layout) -> Cost:
     # the blocks' linears in float8 (emulation runs them in high precision); the planner prices
     # the gain from torchtitan's published runs (planner/published.toml); each an autograd
-    # Function that keeps its float8 operands as it computes: recomputed whole
-    return Cost(float8_linears=not options.emulate, recomputed_whole=LINEAR_ROLES)
+    # Function that keeps its float8 operands as it computes: recomputed whole; and computes a
+    # frozen weight's gradient too (tests/test_float8.py counts the matmul under LoRA)
+    return Cost(float8_linears=not options.emulate, frozen_weight_grads=True,
+                recomputed_whole=LINEAR_ROLES)
 
 
 PLUGIN = Plugin(

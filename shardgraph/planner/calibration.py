@@ -126,8 +126,8 @@ def _shape(m: dict[str, Any]) -> ModelShape:
 #: a source's software, where it differs from torch's: ``PlanView`` fields a row may set too
 STACK_KEYS = ("overlap_grad_reduce", "fused_attention", "fused_elementwise", "p2p_split_over_tp",
               "pooled_nics", "sac_saves_gathers", "matmul_overlap", "overlap_p2p", "fused_loss",
-              "repeat_kv", "fused_float8_casts", "norm_upcast", "float8_attention",
-              "recompute_stops_early", "traced_recompute")
+              "repeat_kv", "fused_float8_casts", "frozen_weight_grads", "norm_upcast",
+              "float8_attention", "recompute_stops_early", "traced_recompute")
 #: a source's pipeline, where it differs from torch's: ``PipelineCost`` fields, by key
 PIPELINE_KEYS = {"pp_keeps_outputs": "keeps_outputs", "pp_recv_buffers": "recv_buffers",
                  "pp_reduce_after_backward": "reduce_after_backward",

@@ -469,11 +469,11 @@ def step_time(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
     if stops and skips_last_linear(v):
         rank_flops -= recomputes * n_micro * tokens / (v.tp * v.cp) * sum(
             n * last_matmul_flops(shape, k) for k, n in blocks)
-    # torchao's float8 linears (casts not fused into the stack's kernels: shardgraph's float8)
-    # compute a frozen weight's gradient too: its autograd function returns one whatever
-    # autograd needs (tests/test_float8.py counts the matmul); Transformer Engine's skip it
+    # float8 linears that compute a frozen weight's gradient too (declared: torchao's, whose
+    # autograd function returns one whatever autograd needs; tests/test_float8.py counts the
+    # matmul); Transformer Engine's skip it
     frozen_wgrad = bool(v.adapter_rank and v.float8_linears and gpu.fp8
-                        and not v.fused_float8_casts)
+                        and v.frozen_weight_grads)
     if v.adapter_rank and not frozen_wgrad:
         # frozen weights (LoRA): their linears' weight-gradient matmuls (one forward's worth
         # of the linears) are never run (the adapters beside them: memory traffic, below)

@@ -88,6 +88,9 @@ class PlanView:
     #: float8 casts fused into the kernels that produce their inputs (Transformer Engine's
     #: norm and activation kernels write float8); False: torchao's, each a pass of its own
     fused_float8_casts: bool = False
+    #: the float8 linears compute a frozen weight's gradient too (``Cost.frozen_weight_grads``:
+    #: torchao's); False: a frozen weight's is skipped (Transformer Engine's)
+    frozen_weight_grads: bool = False
     #: attention's matmuls in float8 (Transformer Engine's FP8 attention, cuDNN's kernel: a
     #: published stack's, ``Efficiency.float8_attention``); False: bf16, as shardgraph runs it
     float8_attention: bool = False
@@ -244,7 +247,7 @@ def view_of(layout, cost: Cost, unknown: tuple[str, ...] = ()) -> PlanView:
         recomputed_whole=cost.recomputed_whole,
         ac_saves=cost.saves,
         attention_imbalance=cost.attention_imbalance, compute_speedup=cost.compute_speedup,
-        float8_linears=cost.float8_linears,
+        float8_linears=cost.float8_linears, frozen_weight_grads=cost.frozen_weight_grads,
         activation_scale=cost.activation_scale, memory_bytes=cost.memory_bytes,
         loss_chunk_tokens=cost.loss_chunk_tokens, adapter_rank=cost.adapter_rank,
         adapter_dropout=cost.adapter_dropout, adapted=cost.adapted or LINEAR_ROLES,
