@@ -26,7 +26,8 @@ replicate degree only changes how gradients are reduced, so it is tried on the b
 layouts only; and for a given layout the micro-batch sizes tried are the largest that fits,
 the smallest and one between.
 
-The layouts walked are ``space``'s.
+The layouts walked are ``space``'s; the errors for what a file fixes of dp that no layout has
+are ``fixed``'s.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..graphs.toml import graph_from_dict
 from ..plugins.builtin import default_registry
 from .cost import Efficiency
 from .fitted import FITTED
+from .fixed import fixed_violation, replaced_sizes, worlds_with_layouts
 from .predict import (
     USABLE_HBM,
     context,
@@ -55,7 +57,7 @@ from .predict import (
     setup_of,
 )
 from .memory import state_bytes
-from .shape import ModelShape, model_shape
+from .shape import model_shape
 from .space import DECIDED, Base, Candidate, Fixed, enumerate_candidates, fixed_of, roles
 from .view import PlanView, Setup, declared, plan_view, provider, view_of
 
@@ -156,7 +158,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     layouts = enumerate_candidates(shape, setup, world_size, gpn, registry, names,
                                    fixed=pinned)
     if pinned != Fixed() and not layouts:
-        v = _fixed_violation(shape, setup, world_size, gpn, registry, names, pinned)
+        v = fixed_violation(shape, setup, world_size, gpn, registry, names, pinned)
         if v is not None:
             raise PlanError([v])
     base = _base(pipeline, registry)
@@ -249,7 +251,7 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
     given = [k for k in (fixed_key, pinned.dp_key) if k]
     remove = " and ".join(given) + (": they allow" if len(given) > 1 else ": it allows")
     if not results and not counts["layouts"]:
-        near = _worlds_with_layouts(shape, setup, world_size, gpn, registry, names, pinned)
+        near = worlds_with_layouts(shape, setup, world_size, gpn, registry, names, pinned)
         raise PlanError([Violation(
             "no-plan", keys,
             f"no layout of {shape.architecture} ({_count(shape.n_params)} parameters) splits "
@@ -276,91 +278,10 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
         out["local_batch"] = {"key": fixed_key, "size": fixed, "dp": setup.global_batch // fixed}
     if pinned.dp is not None:
         out["dp_size"] = {"key": pinned.dp_key, "size": pinned.dp}
-    replaced = _replaced_sizes(pipeline.graph, registry)
+    replaced = replaced_sizes(pipeline.graph, registry)
     if replaced:
         out["replaced_sizes"] = replaced
     return out
-
-
-def _replaced_sizes(graph, registry) -> dict[str, int]:
-    """The sizes the file gives to plugins whose place the search decides (tp, pp, cp, ep,
-    hsdp), by the key the file gives each under: each plan has its own (1, the default, is no
-    choice of the file's and is left out)."""
-    out = {}
-    for entry in graph.entries:
-        size = entry.options.get("size")
-        if entry.name in registry and registry.get(entry.name).provides & DECIDED and \
-                size not in (None, 1):
-            out[entry.origin("size")] = size
-    return out
-
-
-def _fixed_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
-                     names: dict[str, str], fixed: Fixed) -> Violation | None:
-    """What the file fixes of dp that no layout over ``world`` GPUs has: its dp_size, else
-    its local batch, with the values some layout does have, or the two disagreeing; None when
-    no layout splits the job at all (the world's problem, said as such)."""
-    g = setup.global_batch
-    dps = sorted({world // (c.tp * c.pp * c.cp)
-                  for c, _ in enumerate_candidates(shape, setup, world, gpn, registry, names)})
-    if not dps:
-        return None
-    dp, local = fixed.dp, fixed.local_batch
-    if dp is not None and dp not in dps:
-        return _dp_violation(shape, setup, world, gpn, registry, names, dp, fixed.dp_key, dps)
-    if dp is not None and local is not None and not g % local:
-        return Violation(
-            "batch", (fixed.local_key, fixed.dp_key, "train.global_batch_size"),
-            f"{fixed.local_key} = {local} needs dp = {g} / {local} = {g // local} "
-            f"data-parallel ranks, but {fixed.dp_key} = {dp}",
-            hint=f"set {fixed.local_key} = {g // dp} (global_batch_size / dp_size), or remove "
-            f"one of the two")
-    if local is None:
-        return None
-    return _local_batch_violation(shape, setup, world, gpn, registry, names, local,
-                                  fixed.local_key, [g // d for d in dps if dp in (None, d)])
-
-
-def _dp_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
-                  names: dict[str, str], dp: int, key: str, dps: list[int]) -> Violation:
-    """The file's dp_size that no layout over ``world`` GPUs has (``dps``: those some does)."""
-    g = setup.global_batch
-    if g % dp:
-        message = (f"{key} = {dp} does not divide train.global_batch_size = {g} (each of dp "
-                   "ranks trains on global_batch_size / dp sequences)")
-    else:
-        message = f"{key} = {dp} but no layout over {world} GPUs has dp = {dp}"
-    hint = (f"set {key} to one of {', '.join(map(str, dps))} (the dp of the layouts over "
-            f"{world} GPUs), or remove it (the search then tries every dp)")
-    near = _worlds_with_layouts(shape, setup, world, gpn, registry, names,
-                                Fixed(dp=dp, dp_key=key)) if not g % dp else []
-    if near:
-        hint += f"; or keep it and use --world-size {' or '.join(map(str, near))}"
-    return Violation("dp-size", (key, "train.global_batch_size", "--world-size"), message,
-                     hint=hint)
-
-
-def _local_batch_violation(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
-                           names: dict[str, str], local: int, key: str,
-                           valid: list[int]) -> Violation:
-    """The file's local batch that no layout over ``world`` GPUs trains on, with the local
-    batches that some layout does (``valid``)."""
-    g = setup.global_batch
-    valid = sorted(set(valid))
-    if g % local:
-        message = (f"{key} = {local} does not divide train.global_batch_size = {g} (each of dp "
-                   "ranks trains on global_batch_size / dp sequences)")
-    else:
-        message = (f"{key} = {local} needs dp = {g} / {local} = {g // local} data-parallel "
-                   f"ranks, and no layout over {world} GPUs has them")
-    hint = (f"set {key} to one of {', '.join(map(str, valid))} (global_batch_size / dp of the "
-            f"layouts over {world} GPUs), or remove it (the search then tries every dp)")
-    near = _worlds_with_layouts(shape, setup, world, gpn, registry, names,
-                                Fixed(local, key)) if not g % local else []
-    if near:
-        hint += f"; or keep it and use --world-size {' or '.join(map(str, near))}"
-    return Violation("batch", (key, "train.global_batch_size", "--world-size"), message,
-                     hint=hint)
 
 
 #: software the search does not add on its own but prices for the best plan: the capability,
@@ -454,22 +375,6 @@ def _parts(est: dict[str, Any]) -> dict[str, float]:
     b = est["breakdown_s"]
     out = {"compute": b["compute"], "pipeline bubble": b["pipeline_bubble"]}
     out.update({f"{axis} communication": t for axis, t in b["exposed_comm"].items()})
-    return out
-
-
-def _worlds_with_layouts(shape: ModelShape, setup: Setup, world: int, gpn: int, registry,
-                         names: dict[str, str], fixed: Fixed = Fixed(),
-                         reach: int = 64) -> list[int]:
-    """The nearest world sizes below and above ``world`` (within ``reach``) that some layout
-    splits the job over (as the file ``fixed`` it)."""
-    out = []
-    for others in (range(world - 1, max(0, world - reach), -1),
-                   range(world + 1, world + reach)):
-        found = next((w for w in others
-                      if enumerate_candidates(shape, setup, w, gpn, registry, names,
-                                              fixed=fixed)), None)
-        if found is not None:
-            out.append(found)
     return out
 
 
