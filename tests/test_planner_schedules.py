@@ -16,7 +16,7 @@ from torch.distributed.pipelining.schedules import _ComputationType as C
 
 from shardgraph.core.layout import MeshLayout
 from shardgraph.planner.cost import bubble_share, pass_times
-from shardgraph.planner.memory import inflight
+from shardgraph.planner.schedule import inflight
 from shardgraph.planner.view import PlanView
 from shardgraph.plugins.builtin import builtin_registry
 
@@ -173,7 +173,7 @@ def test_each_stage_frees_its_gradients_after_its_last_backward_as_torch_orders_
     a whole backward's order out (exact), and bounds a split one's (never under)."""
     import random
 
-    from shardgraph.planner.memory import staged_peaks
+    from shardgraph.planner.schedule import staged_peaks
 
     view, _ = _view(schedule, pp, n, 0.0 if schedule == "zero_bubble" else 1.0)
     v = per_rank
@@ -217,7 +217,7 @@ def test_the_planners_order_and_gathers_are_torchs(schedule, pp, n, per_rank):
     table (``StepRunner.actions``) and the planner's price alike, resharded after forward too."""
     from shardgraph.core.values import StageAction, stage_gathers as gathers
     from shardgraph.parallelisms.pp._runner import _KINDS
-    from shardgraph.planner.memory import _looped_order, lowered_actions, stage_gathers
+    from shardgraph.planner.schedule import _looped_order, lowered_actions, stage_gathers
 
     view, _ = _view(schedule, pp, n, 1.0)
     v = per_rank
@@ -251,7 +251,8 @@ def test_stages_gathered_again_are_priced_in_fsdps_all_gathers(monkeypatch):
     from shardgraph.planner import cost, predict
     from shardgraph.planner.fitted import FITTED
     from shardgraph.planner.gpus import resolve_gpu
-    from shardgraph.planner.memory import microbatches, stage_gathers
+    from shardgraph.planner.memory import microbatches
+    from shardgraph.planner.schedule import stage_gathers
     from shardgraph.planner.shape import model_shape
     from shardgraph.planner.view import plan_view
     from shardgraph.train.config import loads_pipeline
@@ -285,7 +286,7 @@ def test_stages_gathered_again_are_priced_in_fsdps_all_gathers(monkeypatch):
 def test_schedules_without_a_known_order_of_reductions_keep_every_stage_live():
     """A V, one stage a rank or a stack whose reductions are not torch's stages' are priced
     with every stage's gradients live at the peak (over)."""
-    from shardgraph.planner.memory import staged_peaks
+    from shardgraph.planner.schedule import staged_peaks
 
     for schedule in ("v_schedule", "1f1b", "gpipe"):
         view, v = _view(schedule, 4, 8, 1.0)

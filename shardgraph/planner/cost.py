@@ -53,8 +53,9 @@ from typing import Any
 import attrs
 
 from .gpus import GPU, SAME_DIE
-from .memory import (EXTRAS, Held, held_numel, kv_width, microbatches, stage_gathers,
-                     stage_holdings, stage_layers, state_numel, trainable_share)
+from .memory import (EXTRAS, Held, held_numel, kv_width, microbatches, stage_holdings,
+                     stage_layers, state_numel, trainable_share)
+from .schedule import stage_gathers
 from .shape import ModelShape, layer_kind, weight_groups
 from .view import PlanView, Setup
 

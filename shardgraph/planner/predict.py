@@ -14,8 +14,9 @@ from ..graphs.local_batch import compile_with_local_batch
 from .cost import Efficiency, model_flops_per_token, step_time
 from .fitted import FITTED
 from .gpus import GPU, cluster_table, resolve_gpu
-from .memory import (FUSED_SAVES, activation_parts, buffer_parts, inflights,
-                     microbatches, stage_holdings, stage_layers, staged_peaks, state_rows)
+from .memory import (FUSED_SAVES, activation_parts, buffer_parts, microbatches,
+                     stage_holdings, stage_layers, state_rows)
+from .schedule import inflights, staged_peaks
 from .shape import ModelShape, model_shape
 from .view import PlanView, Setup, plan_view
 
