@@ -108,7 +108,7 @@ def test_what_the_model_must_get_right():
     plain, with_ac = est(base, 512), est(base + ac, 512)
     assert act(with_ac) < act(plain) / 2  # block inputs, one block, the logits
     # one forward more, but for each block's down projection (torch's checkpoint stops before
-    # it: ``cost.skips_last_linear``)
+    # it: ``flops.skips_last_linear``)
     assert 1.2 < with_ac["breakdown_s"]["compute"] / plain["breakdown_s"]["compute"] < 4 / 3
     assert act(est(base + "[plugins.sp]\n", 512)) < act(plain)
     # GPipe keeps every micro-batch in flight, 1F1B at most pp of them
@@ -733,7 +733,8 @@ def test_a_chunked_loss_computes_the_heads_logits_once_more():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import head_flops_per_token, step_time
+    from shardgraph.planner.cost import step_time
+    from shardgraph.planner.flops import head_flops_per_token
     from shardgraph.planner.memory import microbatches
 
     row = next(r for r in cal.rows() if r.name == "Llama 3.1 8B FSDP 8 H100 (Table 1)")
@@ -882,7 +883,8 @@ def test_materialised_attention_computes_the_whole_square():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import elementwise_bytes, pass_times, step_time
+    from shardgraph.planner.cost import pass_times, step_time
+    from shardgraph.planner.flops import elementwise_bytes
     from shardgraph.planner.memory import microbatches
 
     row = next(r for r in cal.rows() if r.name == "GPT 1.7B t1 p1 32 GPUs")
@@ -945,7 +947,8 @@ def test_the_head_runs_forward_and_backward_and_is_never_recomputed():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import head_flops_per_token, pass_times, step_time
+    from shardgraph.planner.cost import pass_times, step_time
+    from shardgraph.planner.flops import head_flops_per_token
     from shardgraph.planner.memory import microbatches
 
     row = next(r for r in cal.rows()
@@ -1009,7 +1012,8 @@ def test_torchaos_float8_casts_cost_traffic_that_narrow_shards_feel():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import linear_shapes, pass_times, step_time
+    from shardgraph.planner.cost import pass_times, step_time
+    from shardgraph.planner.flops import linear_shapes
     from shardgraph.planner.memory import microbatches, stage_layers
 
     rows = {r.name: r for r in cal.rows()}
@@ -1123,7 +1127,8 @@ def test_torchs_pipeline_stages_wait_for_fsdps_gradient_reduction():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import _collective, rank_flops_per_token, step_time
+    from shardgraph.planner.cost import _collective, step_time
+    from shardgraph.planner.flops import rank_flops_per_token
     from shardgraph.planner.memory import held_numel, stage_layers
 
     row = next(r for r in cal.rows() if r.name == "Llama 3.1 405B FSDP 8 TP 8 PP 8 1F1B (Table 5)")
@@ -1199,7 +1204,7 @@ def test_a_checkpointed_block_is_recomputed_up_to_what_backward_reads(linear):
     forward again less that matmul. A LoRA adapter beside it (the frozen matmul runs first,
     the adapter's is kept last) and torchao's float8 linear (an autograd Function, kept after
     it has computed) are recomputed whole. The planner prices what torch runs
-    (``cost.skips_last_linear``, read from the plugins' declarations): the checkpointed runs
+    (``flops.skips_last_linear``, read from the plugins' declarations): the checkpointed runs
     of llm-foundry's tables on torch 2.1 were priced a whole forward over."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -1209,7 +1214,7 @@ def test_a_checkpointed_block_is_recomputed_up_to_what_backward_reads(linear):
     from shardgraph.parallelisms.activation_checkpointing import PLUGIN as AC
     from shardgraph.parallelisms.activation_checkpointing import ActivationCheckpointingOptions
     from shardgraph.parallelisms.lora._layer import adapt
-    from shardgraph.planner.cost import skips_last_linear
+    from shardgraph.planner.flops import skips_last_linear
     from shardgraph.planner.view import declared, view_of
     from shardgraph.plugins.builtin import builtin_registry
 
@@ -1270,7 +1275,7 @@ def test_the_linears_recomputed_whole_are_declared_by_the_steps_and_join():
     recomputation runs it (``skips_last_linear`` False)."""
     from shardgraph.core.costs import LINEAR_ROLES, Cost
     from shardgraph.core.layout import MeshLayout
-    from shardgraph.planner.cost import skips_last_linear
+    from shardgraph.planner.flops import skips_last_linear
     from shardgraph.planner.view import declared, fold, view_of
     from shardgraph.plugins.builtin import builtin_registry
 
@@ -1437,8 +1442,9 @@ def test_a_short_reduction_costs_a_matmul_its_tiles_fixed_share():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import efficiency, linear_shapes
+    from shardgraph.planner.cost import efficiency
     from shardgraph.planner.fitted import FITTED
+    from shardgraph.planner.flops import linear_shapes
     from shardgraph.planner.memory import microbatches
 
     assert FITTED.k0 > 0

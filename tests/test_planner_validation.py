@@ -1052,7 +1052,8 @@ def test_a_pipeline_bubble_idles_for_the_collectives_inside_each_pass():
     of compute and those together (torchtitan's 405B 1F1B run: tp's exposed 2.4 s of 16.7 s
     of compute makes a 2.1 s longer bubble). The ramps pass through the other ranks' stages:
     the compute in it is theirs, the slowest rank's scaled by their FLOPs."""
-    from shardgraph.planner.cost import bubble_share, rank_flops_per_token
+    from shardgraph.planner.cost import bubble_share
+    from shardgraph.planner.flops import rank_flops_per_token
     from shardgraph.planner.memory import microbatches, stage_layers
     from shardgraph.planner.predict import evaluate
 
@@ -1147,7 +1148,8 @@ def test_a_tp_rank_dispatches_its_share_of_the_tokens():
     micro-batch (its all-to-alls 26.9 s of the 36.6 priced against 20.8 measured), +11% so;
     what remains is the recipe's overlap of the all-to-alls with another micro-batch's compute
     (``moe_a2a_overlap``), not priced."""
-    from shardgraph.planner.cost import comm_bytes, linear_shapes
+    from shardgraph.planner.cost import comm_bytes
+    from shardgraph.planner.flops import linear_shapes
 
     row = next(r for r in cal.rows() if r.name == "Qwen3 235B-A22B TP 2 PP 8 VP 4 EP 32 256 H100 "
                "FP8 (Megatron-Bridge 25.11)")

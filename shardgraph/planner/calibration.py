@@ -31,8 +31,9 @@ import attrs
 
 from ..core.layout import MeshLayout
 from ..plugins.builtin import builtin_registry
-from .cost import Efficiency, model_flops_per_token, step_time
+from .cost import Efficiency, step_time
 from .fitted import FITTED
+from .flops import model_flops_per_token
 from .gpus import GiB, resolve_gpu
 from .memory import FUSED_SAVES
 from .predict import memory_of

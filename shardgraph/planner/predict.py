@@ -11,8 +11,9 @@ import attrs
 from ..core.batch import batch_split_violations
 from ..core.errors import PlanError, Violation, reported_under
 from ..graphs.local_batch import compile_with_local_batch
-from .cost import Efficiency, model_flops_per_token, step_time
+from .cost import Efficiency, step_time
 from .fitted import FITTED
+from .flops import model_flops_per_token
 from .gpus import GPU, cluster_table, resolve_gpu
 from .memory import (FUSED_SAVES, activation_parts, buffer_parts, microbatches,
                      stage_holdings, stage_layers, state_rows)
