@@ -883,9 +883,10 @@ def test_materialised_attention_computes_the_whole_square():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import pass_times, step_time
+    from shardgraph.planner.cost import step_time
     from shardgraph.planner.flops import elementwise_bytes
     from shardgraph.planner.memory import microbatches
+    from shardgraph.planner.schedule import pass_times
 
     row = next(r for r in cal.rows() if r.name == "GPT 1.7B t1 p1 32 GPUs")
     shape, v, setup, gpu, eff = row.shape, row.view, row.setup, row.gpu, cal.FITTED
@@ -947,9 +948,10 @@ def test_the_head_runs_forward_and_backward_and_is_never_recomputed():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import pass_times, step_time
+    from shardgraph.planner.cost import step_time
     from shardgraph.planner.flops import head_flops_per_token
     from shardgraph.planner.memory import microbatches
+    from shardgraph.planner.schedule import pass_times
 
     row = next(r for r in cal.rows()
                if r.name.startswith("Llama 3.1 8B FSDP 8 CP 1 seq 32k"))
@@ -1012,9 +1014,10 @@ def test_torchaos_float8_casts_cost_traffic_that_narrow_shards_feel():
     import attrs
 
     from shardgraph.planner import calibration as cal
-    from shardgraph.planner.cost import pass_times, step_time
+    from shardgraph.planner.cost import step_time
     from shardgraph.planner.flops import linear_shapes
     from shardgraph.planner.memory import microbatches, stage_layers
+    from shardgraph.planner.schedule import pass_times
 
     rows = {r.name: r for r in cal.rows()}
 
@@ -1056,6 +1059,7 @@ def test_loras_adapters_cost_memory_traffic_beside_every_linear(monkeypatch):
     from shardgraph.planner import calibration as cal
     from shardgraph.planner import cost
     from shardgraph.planner.memory import microbatches, stage_layers
+    from shardgraph.planner.schedule import pass_times
 
     rows = [r for r in cal.rows() if r.source == "automodel_h100" and "LoRA" in r.name
             and "TP 2" in r.name]
@@ -1067,7 +1071,7 @@ def test_loras_adapters_cost_memory_traffic_beside_every_linear(monkeypatch):
     # shards (tp splits q, k, v, gate, up by output and o, down by input)
     r = rows[-1]
     v, eff, s = r.view, cal.FITTED, r.shape
-    assert v.adapter_rank and v.tp == 2 and sum(cost.pass_times(v)) == 4  # full AC
+    assert v.adapter_rank and v.tp == 2 and sum(pass_times(v)) == 4  # full AC
     h, q, kv, f = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
     adapters = [(h, q / 2), (h, kv / 2), (h, kv / 2), (q / 2, h), (h, f / 2), (h, f / 2),
                 (f / 2, h)]

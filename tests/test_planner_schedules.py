@@ -15,8 +15,7 @@ from torch.distributed.pipelining.schedules import _Action
 from torch.distributed.pipelining.schedules import _ComputationType as C
 
 from shardgraph.core.layout import MeshLayout
-from shardgraph.planner.cost import bubble_share, pass_times
-from shardgraph.planner.schedule import inflight
+from shardgraph.planner.schedule import bubble_share, inflight, pass_times
 from shardgraph.planner.view import PlanView
 from shardgraph.plugins.builtin import builtin_registry
 

@@ -1052,10 +1052,10 @@ def test_a_pipeline_bubble_idles_for_the_collectives_inside_each_pass():
     of compute and those together (torchtitan's 405B 1F1B run: tp's exposed 2.4 s of 16.7 s
     of compute makes a 2.1 s longer bubble). The ramps pass through the other ranks' stages:
     the compute in it is theirs, the slowest rank's scaled by their FLOPs."""
-    from shardgraph.planner.cost import bubble_share
     from shardgraph.planner.flops import rank_flops_per_token
     from shardgraph.planner.memory import microbatches, stage_layers
     from shardgraph.planner.predict import evaluate
+    from shardgraph.planner.schedule import bubble_share
 
     row = next(r for r in cal.rows() if r.name == "Llama 3.1 405B FSDP 8 TP 8 PP 8 1F1B (Table 5)")
     out = evaluate(row.shape, row.view, row.setup, row.gpu, cal.FITTED)["breakdown_s"]

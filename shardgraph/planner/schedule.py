@@ -4,8 +4,10 @@ models need it: how many micro-batches of one chunk a rank keeps in flight at it
 parameters after its own last backward (``staged_peaks``), and how many times a step gathers
 each unit of its stages under fsdp (``stage_gathers``), with the runtime's limit of gathered
 stages played out on a looped schedule's order (``_looped_order``, ``_lowered``,
-``lowered_actions``). ``tests/test_planner_schedules.py`` checks them against torch's own
-action tables, rank by rank.
+``lowered_actions``); and what the schedule's shape costs in time: a block's passes
+(``pass_times``), the bubble (``bubble_share``) and the sends on the critical path
+(``pp_sends``). ``tests/test_planner_schedules.py`` checks them against torch's own action
+tables, rank by rank.
 """
 
 from __future__ import annotations
@@ -238,3 +240,60 @@ def _staged_peaks(n_micro: int, chunks: int, peak: float, rounds: int, split: bo
     return tuple((min(peak, every - k) if split else min(every, peak + k) - k,
                   frozenset(c for c in range(chunks) if first[c] <= k <= last[c]),
                   frozenset(c for c in range(chunks) if k <= last[c])) for k in points)
+
+
+def pass_times(v: PlanView, groups: float = 1.0) -> tuple[float, float, float]:
+    """(F, B, W): a block's forward, input-gradient and weight-gradient passes in units of its
+    forward; recomputation runs in B. A schedule that splits backward runs the weight pass on
+    its own later, and a checkpointed block's recomputed activations do not wait for it: the
+    weight pass recomputes them again: once, or once per parameter group where its autograd
+    calls run apart (``PipelineCost.weight_pass_per_group``; ``groups``: a block's,
+    ``weight_groups``): torch 2.13's stage alone runs a checkpointed Llama block's forward 11
+    times a micro-batch, shardgraph's pp, grouping the calls, 3, and 1F1B twice. Torch's
+    interleaved zero bubble with full checkpointing ran at 13 tokens/s/GPU against interleaved
+    1F1B's 128 on torchtitan's 405B (pytorch/torchtitan#773; without checkpointing it was the
+    faster)."""
+    pipe = v.pipeline
+    split = pipe is not None and pipe.split_backward
+    reruns = (groups if pipe.weight_pass_per_group else 1.0) if split else 0.0
+    return 1.0, 1.0 + v.recompute, 1.0 + v.recompute * reruns
+
+
+def bubble_share(v: PlanView, n_micro: int, chunks: int, groups: float = 1.0) -> float:
+    """The pipeline bubble as a share of a rank's compute, counting in passes of one chunk
+    (the notation of Qi et al. 2024, "Zero Bubble Pipeline Parallelism"):
+
+    - 1F1B, GPipe: ``(pp - 1) (F + B + W)`` idle in fill and drain, against
+      ``n_micro (F + B + W)`` of work; looped schedules (interleaved 1F1B, looped BFS) cut each
+      idle slot to one chunk's, ``1 / v`` of it;
+    - zero bubble (torch's looped ZB-H1 and its ZB-V alike): the weight passes fill the
+      drain, up to a forward's worth: ``(pp - 1) (B + max(F - W, 0))``, which is Qi et al.'s
+      ``(pp - 1) (F + B - W)`` when the passes take alike;
+    - under LoRA the weight pass is the adapters' alone (about nothing): zero bubble idles as
+      the 1F1B of its chunks (interleaved 1F1B);
+    - ZB-V as torch orders it fills the drain so only from ``1.5 pp`` micro-batches on: with
+      fewer, ``min(pp - 1, 3 pp - 2 n_micro - 1)`` backward passes more stand idle (at
+      ``n_micro = pp`` twice the bubble above).
+
+    ``tests/test_planner_schedules.py`` runs torch's own action tables with these pass times
+    (with and without recomputation, micro-batches from ``pp`` up) and finds the same; ZB-V's
+    table, ordered for passes that take alike, departs from it for other ratios than ``B = W
+    >= F``, the planner's.
+    """
+    f, b, w = pass_times(v, groups)
+    if v.adapter_rank:  # frozen weights (LoRA): no weight gradients to fill the drain with
+        w -= 1.0
+    pipe = v.pipeline
+    idle = (v.pp - 1) * (b + max(f - w, 0.0) if pipe is not None and pipe.split_backward
+                         else f + b + w)
+    if pipe is not None and pipe.v_shape:
+        idle += max(0, min(v.pp - 1, 3 * v.pp - 2 * n_micro - 1)) * b
+    return idle / (n_micro * chunks * (f + b + w))
+
+
+def pp_sends(v: PlanView, n_micro: int, chunks: int) -> float:
+    """Point-to-point transfers on the critical path of one step: a micro-batch's activation
+    (forward) and its gradient (backward) cross each of the ``pp v - 1`` stage boundaries in the
+    fill and drain, and torch's schedules wait on each receive before the pass that needs it,
+    so in the steady state every pass of a chunk waits for one."""
+    return 2 * (v.pp * chunks - 1) + 2 * max(0, n_micro - v.pp) * chunks
