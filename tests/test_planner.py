@@ -1309,8 +1309,7 @@ def test_the_linears_recomputed_whole_are_declared_by_the_steps_and_join():
 def _rings(monkeypatch, plugins: dict, layout, model: dict, setup) -> set[tuple]:
     """(kind, group size, crosses nodes, NICs a node, members a node) of every all-gather and
     reduce-scatter ``step_time`` prices for ``plugins`` on ``layout`` (H100s)."""
-    from shardgraph.planner import calibration as cal
-    from shardgraph.planner import cost
+    from shardgraph.planner import cost, published
     from shardgraph.planner.fitted import FITTED
     from shardgraph.planner.gpus import PRESETS
     from shardgraph.planner.view import declared, view_of
@@ -1326,7 +1325,7 @@ def _rings(monkeypatch, plugins: dict, layout, model: dict, setup) -> set[tuple]
         return priced(kind, n, nbytes, crosses, gpu, eff, per_node, in_node)
 
     monkeypatch.setattr(cost, "_collective", recording)
-    cost.step_time(cal._shape(model), view, setup, PRESETS["H100-SXM"], FITTED)
+    cost.step_time(published._shape(model), view, setup, PRESETS["H100-SXM"], FITTED)
     return calls
 
 

@@ -91,6 +91,7 @@ import attrs
 import pytest
 
 from shardgraph.planner import calibration as cal
+from shardgraph.planner import published
 from shardgraph.planner.cost import step_time
 from shardgraph.planner.gpus import resolve_gpu
 
@@ -735,14 +736,14 @@ def test_a_misspelt_key_of_the_data_is_refused_not_read_as_absent():
     known key nearest to it, all at once; the file as shipped has none."""
     import copy
 
-    cal.check_keys(cal._data())
+    published.check_keys(cal._data())
     data = copy.deepcopy(cal._data())
     data["sources"]["megatron2021"]["recompute_stop_early"] = False
     data["run"][0]["fused_atention"] = True
     data["run"][1]["model"]["hiden"] = 2048
     data["sweep"][0]["layouts"][1]["tpp"] = 2
     with pytest.raises(ValueError) as err:
-        cal.check_keys(data)
+        published.check_keys(data)
     text = str(err.value)
     assert "[sources] 'megatron2021': 'recompute_stop_early' (did you mean " \
         "'recompute_stops_early'?)" in text
@@ -757,12 +758,12 @@ def test_every_model_key_is_read_for_every_kind():
     ``param_bytes = 2`` (NeMo AutoModel's bf16 parameters) was read as absent and priced fp32
     masters, 96 GiB for a run that ran in 80."""
     for r in cal._data()["run"]:
-        shape = cal._shape(r["model"])
+        shape = published._shape(r["model"])
         assert shape.param_bytes == r["model"].get("param_bytes", 4), r["name"]
         assert shape.hidden == r["model"]["hidden"] and shape.layers == r["model"]["layers"]
     moe = dict(next(r["model"] for r in cal._data()["run"] if r["model"]["kind"] == "qwen3_moe"))
     moe["param_bytes"] = 2
-    assert cal._shape(moe).param_bytes == 2
+    assert published._shape(moe).param_bytes == 2
 
 
 def test_an_attention_share_is_borrowed_from_a_fitted_name(monkeypatch):

@@ -8,8 +8,8 @@ Modules: ``gpus`` (presets, ``[cluster]``), ``shape`` (the model's parameters fr
 bubble), ``flops`` (what a step computes and moves), ``cost`` (its time: efficiency,
 collectives, overlap), ``predict`` (one plan), ``search`` (every plan), ``space`` (the layouts
 it walks), ``fixed`` (what a file fixes of dp that no layout has), ``fitted`` (the constants),
-``calibration`` (their fit; ``published.toml`` holds the measurements), ``render`` (the text),
-``cli`` (the commands).
+``calibration`` (their fit), ``published`` (the measurements of ``published.toml`` as rows),
+``render`` (the text), ``cli`` (the commands).
 The planner imports no plugin module, no training code and, but for ``cli``, no command line.
 """
 
