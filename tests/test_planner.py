@@ -842,8 +842,8 @@ def test_cp_attention_keeps_its_own_kv_or_the_gathered_whole_as_it_declares():
     two. K/V are at the query heads' width where the model repeats them (torchtitan)."""
     import attrs
 
-    from shardgraph.planner.memory import (activation_parts, gathered_kv_bytes, kv_width,
-                                           stage_layers)
+    from shardgraph.planner.activations import gathered_kv_bytes, kv_width
+    from shardgraph.planner.memory import activation_parts, stage_layers
     from shardgraph.planner.predict import setup_of
     from shardgraph.planner.shape import model_shape
     from shardgraph.planner.view import plan_view

@@ -303,8 +303,8 @@ def test_saved_activations_per_block_equal_what_torch_keeps(arch, mode, dtype):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from shardgraph.parallelisms.activation_checkpointing import selective_checkpoint
-    from shardgraph.planner.memory import (act_bytes_per_token_layer,
-                                           selective_bytes_per_token_layer)
+    from shardgraph.planner.activations import (act_bytes_per_token_layer,
+                                                selective_bytes_per_token_layer)
 
     layers, batch, seq = 2, 2, 256
     sizes = dict(vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
@@ -362,7 +362,7 @@ def test_a_lora_block_keeps_what_its_adapters_need(targets, dropout, monkeypatch
     import transformers
 
     from shardgraph import Graph
-    from shardgraph.planner import memory
+    from shardgraph.planner import activations
 
     batch, seq = 2, 256
     targets_kw = {"match_all_linear": True} if targets is None else {
@@ -395,8 +395,8 @@ def test_a_lora_block_keeps_what_its_adapters_need(targets, dropout, monkeypatch
         'intermediate_size = 384\nnum_hidden_layers = 2\nnum_attention_heads = 4\n'
         'num_key_value_heads = 2\nvocab_size = 64\n')
     view = plan_view(graph.compile(world_size=1))
-    monkeypatch.setattr(memory, "MASK_BYTES", 4)  # the CPU's noise tensor, fp32
-    counted = memory.act_bytes_per_token_layer(model_shape(pipeline.model), view, 4)
+    monkeypatch.setattr(activations, "MASK_BYTES", 4)  # the CPU's noise tensor, fp32
+    counted = activations.act_bytes_per_token_layer(model_shape(pipeline.model), view, 4)
     assert -0.03 <= counted / measured - 1 <= 0.01, (counted, measured)
 
 

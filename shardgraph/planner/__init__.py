@@ -4,12 +4,12 @@ transformers is imported.
 
 Modules: ``gpus`` (presets, ``[cluster]``), ``shape`` (the model's parameters from its config),
 ``view`` (what a compiled plan does, folded from the ``cost`` records its plugins declare:
-``core.costs``), ``memory``, ``schedule`` (how pp's schedules order a rank's passes; their
-bubble), ``flops`` (what a step computes and moves), ``cost`` (its time: efficiency,
-collectives, overlap), ``predict`` (one plan), ``search`` (every plan), ``space`` (the layouts
-it walks), ``fixed`` (what a file fixes of dp that no layout has), ``fitted`` (the constants),
-``calibration`` (their fit), ``published`` (the measurements of ``published.toml`` as rows),
-``render`` (the text), ``cli`` (the commands).
+``core.costs``), ``memory``, ``activations`` (what a block keeps per token), ``schedule`` (how pp's
+schedules order a rank's passes; their bubble), ``flops`` (what a step computes and moves),
+``cost`` (its time: efficiency, collectives, overlap), ``predict`` (one plan), ``search`` (every
+plan), ``space`` (the layouts it walks), ``fixed`` (what a file fixes of dp that no layout has),
+``fitted`` (the constants), ``calibration`` (their fit), ``published`` (the measurements of
+``published.toml`` as rows), ``render`` (the text), ``cli`` (the commands).
 The planner imports no plugin module, no training code and, but for ``cli``, no command line.
 """
 

@@ -52,11 +52,12 @@ from typing import Any
 
 import attrs
 
+from .activations import kv_width
 from .flops import (adapter_bytes, elementwise_bytes, head_flops_per_token, kind_flops,
                     last_matmul_flops, linear_shapes, rank_flops_per_token, skips_last_linear)
 from .gpus import GPU, SAME_DIE
-from .memory import (EXTRAS, Held, held_numel, kv_width, microbatches, stage_holdings,
-                     stage_layers, state_numel, trainable_share)
+from .memory import (EXTRAS, Held, held_numel, microbatches, stage_holdings, stage_layers,
+                     state_numel, trainable_share)
 from .schedule import bubble_share, pass_times, pp_sends, stage_gathers
 from .shape import ModelShape, weight_groups
 from .view import PlanView, Setup
