@@ -2,10 +2,10 @@
 
 The model of ``bench_start.py`` (a Llama of vocab 32000, hidden 1024, intermediate 4096, 16
 heads; 24 layers = 468M parameters, fewer with ``--layers``) under fsdp2 at ``--nproc`` ranks,
-with AdamW state (one step taken), saved with ``shardgraph.train.checkpoint.save`` and loaded
+with AdamW state (one step taken), saved with ``shardgraph.train.save.save`` and loaded
 back with ``checkpoint.load`` ``--rounds`` times. Each round times, on every rank:
 
-- save: the whole ``checkpoint.save`` (DCP's write, the checksums, meta.json, the rename) and,
+- save: the whole ``save.save`` (DCP's write, the checksums, meta.json, the rename) and,
   inside it, the checksum pass (``_manifest``: each rank reads back the files it wrote, xxh3);
 - resume: the whole ``checkpoint.load`` (``verify`` then DCP's read) and ``verify`` alone;
 - the same files under zlib's crc32 (the stdlib alternative, for comparison).
@@ -84,6 +84,7 @@ def main() -> int:
 
     from shardgraph import Graph
     from shardgraph.train import checkpoint as ckpt
+    from shardgraph.train import save as saving
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -103,7 +104,7 @@ def main() -> int:
     optimizer.zero_grad()
 
     manifest_time: list[float] = []
-    inner = ckpt._manifest
+    inner = saving._manifest
 
     def manifest(tmp):  # the checksum pass inside save, timed where it runs
         began = time.perf_counter()
@@ -111,7 +112,7 @@ def main() -> int:
         manifest_time.append(time.perf_counter() - began)
         return out
 
-    ckpt._manifest = manifest
+    saving._manifest = manifest
     base = args.dir or (tempfile.mkdtemp(prefix="sg-bench-ckpt-") if rank == 0 else None)
     holder = [base]
     dist.broadcast_object_list(holder)
@@ -119,11 +120,11 @@ def main() -> int:
     rows = []
     for r in range(args.rounds):
         manifest_time.clear()
-        save_s, path = timed(ckpt.save, root, r + 1, module, optimizer, {"settings": {}}, 1)
+        save_s, path = timed(saving.save, root, r + 1, module, optimizer, {"settings": {}}, 1)
         check_s = manifest_time[0]
         verify_s, _ = timed(ckpt.verify, path)
         load_s, _ = timed(ckpt.load, path, module, optimizer)
-        mine = [p for p in sorted(path.iterdir()) if ckpt._writer(p.name, world) == rank
+        mine = [p for p in sorted(path.iterdir()) if saving._writer(p.name, world) == rank
                 and p.name != ckpt.META]
         alt_s, _ = timed(crc32, mine)
         row = [slowest(x) for x in (save_s, check_s, load_s, verify_s, alt_s)]

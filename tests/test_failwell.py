@@ -25,6 +25,7 @@ import pytest
 from shardgraph.cli import main
 from shardgraph.core.errors import PlanError
 from shardgraph.train import checkpoint as ckpt
+from shardgraph.train.save import SaveFailed
 from shardgraph.train import loads_pipeline, train
 from shardgraph.train.preflight import checkpoint_dir
 from tests import _dist
@@ -272,7 +273,7 @@ def test_a_failed_final_save_keeps_the_checkpoints_and_says_where_to_point_dir(
     work = tmp / "full"
     shutil.copytree(root, work)
     monkeypatch.setenv(ckpt.FAULT_ENV, "enospc-in-save:6")
-    with pytest.raises(ckpt.SaveFailed) as info:
+    with pytest.raises(SaveFailed) as info:
         train(loads_pipeline(pipeline_text(work, steps=6)))
     v = info.value.violations[0]
     assert v.keys == ("checkpoint.dir",) and "cannot save step 6" in v.message

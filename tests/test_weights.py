@@ -107,7 +107,7 @@ def _in_group(rank: int, world: int, refs: dict, hf_dir: str, out_dir: str,
     import torch.distributed as dist
 
     import shardgraph as sg
-    from shardgraph.train import checkpoint as ckpt
+    from shardgraph.train.save import save
     from shardgraph.weights import hf_load, save_hf, seeded_init, tensor_specs
 
     result: dict = {}
@@ -119,8 +119,8 @@ def _in_group(rank: int, world: int, refs: dict, hf_dir: str, out_dir: str,
         if kind == "tied":  # exported and checkpointed with the weight once
             save_hf(model, Path(tied_dir) / "hf", config=model.config,
                     all_tensors=tensor_specs(meta(kind)))
-            ckpt.save(Path(tied_dir) / "dcp", 1, model,
-                      torch.optim.AdamW(model.parameters()), {}, keep=1)
+            save(Path(tied_dir) / "dcp", 1, model,
+                 torch.optim.AdamW(model.parameters()), {}, keep=1)
         if gather:
             state = _full_state(model)
             if name.startswith("pp"):  # each pp rank gathers its stage's parameters

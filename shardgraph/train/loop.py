@@ -27,6 +27,7 @@ from ..core.errors import PlanError, Violation
 from ..graphs.local_batch import compile_with_local_batch
 from ..graphs.plan import Plan
 from . import checkpoint as ckpt
+from . import save
 from .config import Pipeline
 from .data import TokenStream, local_slice
 from .model import hf_config, meta_model, weights
@@ -341,15 +342,15 @@ class Saver:
 
     def __init__(self, asynchronous: bool, report: Reporter):
         self.asynchronous, self.report = asynchronous, report
-        self.pending: ckpt.PendingSave | None = None
+        self.pending: save.PendingSave | None = None
         # the writing thread's collectives get their own group: they never meet training's
         self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() \
             else None
 
     def start(self, *args: Any, last: bool = False) -> None:
         try:
-            self.pending = ckpt.start(*args, group=self.group, asynchronous=self.asynchronous)
-        except ckpt.SaveFailed as exc:
+            self.pending = save.start(*args, group=self.group, asynchronous=self.asynchronous)
+        except save.SaveFailed as exc:
             if last:
                 raise
             self.report.info(f"warning: {exc}")  # the next save tries again
@@ -359,8 +360,8 @@ class Saver:
         if pending is None:
             return
         try:
-            path = ckpt.finish(pending)
-        except ckpt.SaveFailed as exc:
+            path = save.finish(pending)
+        except save.SaveFailed as exc:
             if last:
                 raise
             # the state in memory is intact: train on, the next save tries again
