@@ -34,11 +34,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out: str, fn, args) -> None:
+def _worker(rank: int, world_size: int, out: str, fn, args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    # the rendezvous is a file of this run's own directory: a port picked ahead of the ranks'
+    # start could be taken by another process meanwhile (a spawned rank binds it seconds later)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        "gloo", init_method=f"file://{Path(out) / 'store'}", rank=rank, world_size=world_size
     )
     try:
         result = fn(rank, world_size, *args)
@@ -71,7 +73,7 @@ def run(fn, world_size: int, *args, timeout: float = 240.0,
         multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(
-            _worker, args=(world_size, free_port(), out, fn, args), nprocs=world_size,
+            _worker, args=(world_size, out, fn, args), nprocs=world_size,
             join=False, start_method=start_method,
         )
         deadline = time.monotonic() + timeout
