@@ -213,8 +213,8 @@ def test_no_hidden_edges_and_no_plugin_names_in_the_runtime():
     for path in ROOT.rglob("*.py"):
         assert "_shardgraph_" not in path.read_text().replace("_shardgraph_plan", ""), path
     # the [distributed] front end (graphs/toml.py) maps NeMo's keys onto plugin names on purpose
-    runtime = [ROOT / "graphs" / f for f in ("compiler.py", "plan.py", "runtime.py",
-                                             "explain.py")]
+    runtime = [ROOT / "graphs" / f for f in ("compiler.py", "_checks.py", "plan.py",
+                                             "runtime.py", "explain.py")]
     runtime += [ROOT / "train" / "loop.py", ROOT / "train" / "dryrun.py"]
     for path in runtime:
         text = path.read_text()
