@@ -189,17 +189,40 @@ def test_unknown_keys_do_not_hide_wrong_types_and_nested_types_name_the_entry():
     assert "['a.b'] expected str, got int 3" in by_rule["type"].message
 
 
+def test_fsdp2_applies_at_degree_one_where_ep_needs_its_unit():
+    """ep under tp 2 on 2 processes: tp leaves no data-parallel rank, but ep shards the experts
+    in fsdp2's unit, so fsdp2 (``when_required``) is active over its one rank and the plan
+    compiles (as torchtitan applies FSDP whenever ep is on), with a dp fixed to 1 too; without
+    ep it stays idle."""
+    plan = g("fsdp2", ("tp", {"size": 2}), ("ep", {"size": 2})).compile(world_size=2)
+    assert plan.layout.dp == 1 and plan.step("fsdp2") is not None
+    assert g("fsdp2", ("tp", {"size": 2}), ("ep", {"size": 2}), dp_size=1).compile(
+        world_size=2).step("fsdp2") is not None
+    assert g("fsdp2", ("tp", {"size": 2})).compile(world_size=2).step("fsdp2") is None
+
+
 def test_a_requirement_on_a_strategy_left_no_ranks_says_how_many_processes_give_it_some():
-    """ep under tp 2 on 2 processes: fsdp2's dp takes the ranks tp leaves, none; the hint names
-    the world size that gives it two, and that world size compiles. A dp fixed by the file is
-    not a world-size problem: no such hint."""
+    """A plugin requiring what only a strategy that does not apply at degree 1 provides (fsdp2
+    declared without ``when_required``) under tp 2 on 2 processes: the strategy's dp takes the
+    ranks tp leaves, none; the hint names the world size that gives it two, and that world size
+    compiles. A dp fixed by the file is not a world-size problem: no such hint."""
+    import attrs
+
+    from shardgraph.plugins import Registry
+    from shardgraph.plugins.builtin import builtin_registry
+
+    full = builtin_registry()
+    registry = Registry()
+    for name in ("tp", "ep"):
+        registry.register(full.get(name))
+    registry.register(attrs.evolve(full.get("fsdp2"), when_required=False))
     graph = g("fsdp2", ("tp", {"size": 2}), ("ep", {"size": 2}))
     with pytest.raises(PlanError) as info:
-        graph.compile(world_size=2, gpus_per_node=8)
+        graph.compile(world_size=2, gpus_per_node=8, registry=registry)
     (hit,) = [v for v in info.value.violations if v.rule == "requires"]
     assert hit.hint.startswith("launch 4 processes or more") and "remove ep" in hit.hint, hit
-    assert graph.compile(world_size=4, gpus_per_node=8).layout.dp == 2
+    assert graph.compile(world_size=4, gpus_per_node=8, registry=registry).layout.dp == 2
     with pytest.raises(PlanError) as info:
         g("fsdp2", ("tp", {"size": 2}), ("ep", {"size": 2}), dp_size=1).compile(
-            world_size=2, gpus_per_node=8)
+            world_size=2, gpus_per_node=8, registry=registry)
     assert not any("launch" in v.hint for v in info.value.violations), info.value

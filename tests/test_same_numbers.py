@@ -10,9 +10,9 @@ The reference is written with plain torch: the token-weighted mean cross-entropy
 batch, micro-batches accumulated, ``clip_grad_norm_``, ``AdamW.step``. Under fsdp2, hsdp, ddp,
 tp, tp + sp, cp, cp x tp (and with sp, the loss computed in parallel), pp (1F1B, interleaved
 1F1B, zero bubble; with dp, with tp, with tp + sp and the loss computed in parallel, with cp),
-ep x dp, ep x pp, ep x cp, DeepSeek-V3's attention (MLA) under its own tp plan with sp x dp,
-pp with tied input and output embeddings (1F1B at pp 4, interleaved x dp, zero bubble x dp,
-pp x tp), and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block
+ep x dp, ep x pp, ep x cp, ep x pp x tp with dp 1, DeepSeek-V3's attention (MLA) under its
+own tp plan with sp x dp, pp with tied input and output embeddings (1F1B at pp 4, interleaved
+x dp, zero bubble x dp, pp x tp), and with selective activation checkpointing (fsdp2, tp + sp, ep) and per-block
 torch.compile (aot_eager, under fsdp2 + full checkpointing, hsdp, ddp, tp, tp + sp + selective,
 cp + selective, pp, ep + full),
 and a LoRA model (``lora`` on every linear but the LM head; its one-process reference is the
@@ -181,6 +181,10 @@ LAYOUTS = {
                          .add("fsdp2"), 2),
     "ep4_tp2_fsdp2": ("moe", lambda: Graph().add("tp", size=2).add("ep", size=4)
                       .add("fsdp2"), 2),
+    # ep x tp x pp with no data-parallel rank (dp 1): fsdp2 applies over one rank, the unit
+    # ep shards the experts in (``when_required``), the experts over the tp pair
+    "ep2_pp2_tp2_sp_dp1": ("moe", lambda: Graph().add("pp", size=2).add("tp", size=2).add("sp")
+                           .add("ep", size=2).add("fsdp2"), 2),
     # and recomputed: each block takes its slice again in the recompute
     "ep2_tp2_ac_fsdp2": ("moe", lambda: Graph().add("tp", size=2).add("ep", size=2)
                          .add("activation_checkpointing").add("fsdp2"), 2),

@@ -5,7 +5,8 @@ process group, model or device is touched:
 
 1. resolve: each entry's plugin (entry points load on demand) and its structured options;
 2. layout: the mesh arithmetic, owned by ``core.mesh`` (sizes, world size, dp, within-node);
-3. activate: a plugin is active when its axis has degree > 1 (policies also at world size 1);
+3. activate: a plugin is active when its axis has degree > 1 (policies also at world size 1;
+   a strategy declaring ``when_required`` also at degree 1, when an active plugin requires it);
 4. check: strategies, conflicts and requirements (``graphs/_checks.py``), and each active
    plugin's own ``check``;
 5. order: the steps, topologically from ``before`` / ``after``.
@@ -260,6 +261,27 @@ def _activate(resolved, mesh: DerivedMesh, bad) -> list[_Resolved]:
                     plugin=p.name,
                 ))
         out.append(attrs.evolve(r, active=active, certain=certain))
+    return _required(out)
+
+
+def _required(resolved: list[_Resolved]) -> list[_Resolved]:
+    """A strategy idle at degree 1 that declares ``when_required`` is active when an active
+    plugin requires a capability it provides and no active plugin provides it (fsdp2 under
+    ep x tp with no data-parallel rank left); then its own requirements count too."""
+    out = list(resolved)
+    changed = True
+    while changed:
+        changed = False
+        active = [r for r in out if r.active]
+        have = {cap for r in active for cap in r.plugin.provides}
+        need = {cap for r in active for cap in r.plugin.requires} - have
+        for i, r in enumerate(out):
+            p = r.plugin
+            if not r.active and r.certain and p.when_required and p.kind is Kind.STRATEGY \
+                    and need & p.provides:
+                out[i] = attrs.evolve(r, active=True)
+                changed = True
+                break  # one at a time: the next may no longer be needed
     return out
 
 

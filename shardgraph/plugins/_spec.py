@@ -149,6 +149,9 @@ class Plugin:
     A ``consumes``d capability's provider runs no step of its own
     while the consumer runs: its options reach the consumer's ``apply`` instead.
     ``within_node``: the axis must divide ``gpus_per_node``.
+    ``when_required``: a strategy whose axis has degree 1 still applies when an active plugin
+    requires what it provides (fsdp2 over one rank: the unit ep shards the experts in, when tp
+    leaves no data-parallel rank; torchtitan applies FSDP whenever ep is on).
     ``contracts``: capability -> type of the value it carries, for capabilities this plugin
     provides that ``core.values.CONTRACTS`` does not know (a third party's own contract). What a
     plugin consumes or reads must be a contract: a flag carries no value to read.
@@ -184,6 +187,7 @@ class Plugin:
     provides_with: OptionFlags | None = attrs.field(default=None, eq=False)
     conflicts_with: OptionFlags | None = attrs.field(default=None, eq=False)
     keeps_fqns: bool = True
+    when_required: bool = False
     #: ``apply`` needs parameters with storage (DDP broadcasts and buckets them): on a model
     #: built on ``meta`` the plan materialises the parameters before this step.
     needs_storage: bool = False

@@ -238,6 +238,7 @@ PLUGIN = Plugin(
     options=FSDP2Options,
     axis=Axis.DP_SHARD,
     provides={"data_parallel", "sharded_data_parallel", "fully_shard"},
+    when_required=True,
     cost=_cost,
     conflicts_with=_conflicts_with,
     consumes={"precision_policy"},
