@@ -56,6 +56,11 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     only the adapters needed, are no longer kept (o's is attention's output, which attention
     keeps). Measured per block against autograd's saved tensors on a CPU Llama, for five sets
     of targets with and without dropout: 2.1% to 0.1% under (tests/test_planner_memory.py).
+    A published stack's own saves (``PlanView``: Megatron-Core's and Transformer Engine's)
+    replace torch's where its source says so: SwiGLU keeping its input alone
+    (``swiglu_saves_input``, at ``swiglu_input_bytes``), a trained float8 linear its float8
+    cast (``float8_saved_inputs``), a column-parallel one its sequence shard under sp
+    (``sp_saves_shard``).
     """
     h, t = shape.hidden, v.tp
     q = shape.heads * shape.head_dim
@@ -86,8 +91,21 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     a = v.adapted if v.adapter_rank else LINEAR_ROLES
     linear_in = h * (any(r in a for r in ("q", "k", "v")) + any(r in a for r in ("gate", "up")))
     product = down / t if "down" in a else 0.0
-    # q, attention output, the MLP (SwiGLU's gate, up and silu(gate); a GELU MLP's fc1 output)
-    inside = (q + q + 4 * f - down + f_extra) / t + product
+    casts = 0.0
+    if not v.adapter_rank:  # (an adapter keeps its own input, whole and in the compute dtype)
+        if v.sp_saves_shard and v.sp:  # the normed inputs' sequence shard, gathered again
+            linear_in /= t
+        if v.float8_saved_inputs and v.float8_linears:
+            # each linear keeps the float8 cast it ran on, 1 byte (in units of the compute
+            # dtype); o's a cast of attention's output, which attention keeps too
+            linear_in, product, casts = linear_in / dtype, product / dtype, q / t / dtype
+    # the MLP's own: SwiGLU's gate, up and silu(gate) (its input alone where it recomputes the
+    # rest, ``PlanView.swiglu_saves_input``, at its own width), a GELU MLP's fc1 output
+    mlp = 4 * f - down
+    if v.swiglu_saves_input and (shape.gated or shape.is_moe):
+        mlp = 2 * f * (v.swiglu_input_bytes or dtype) / dtype
+    # q, attention output, the MLP
+    inside = (q + q + mlp + f_extra) / t + product + casts
     # K/V: the rank's own, or all-gathered over cp and kept whole
     kv = kv_width(shape, v) * (v.cp if v.keeps_gathered_kv else 1)
     # each adapter's rank-wide product, kept for its second matmul's weight gradient

@@ -205,6 +205,17 @@ def state_numel(shape: ModelShape, held: Held, v: PlanView) -> tuple[int, int, i
     return whole, (n if v.shards >= 2 else whole), (n if v.shards >= 1 else whole)
 
 
+def float8_weight_numel(shape: ModelShape, held: Held, v: PlanView, params: int) -> int:
+    """Of the ``params`` elements a rank holds of ``held``, those of the blocks' linear
+    weights (a routed expert's stack too, not the router): what ``PlanView.fp8_params`` holds
+    in float8; a share of ``params`` as the strategy splits every parameter alike."""
+    linears = sum(n * sum(p.numel for p in kind_params(shape, kind)
+                          if isinstance(p.layer, int) and len(p.shape) >= 2 and not p.router)
+                  for kind, n in held.kinds)
+    total = sum(n * sum(p.numel for p in kind_params(shape, kind)) for kind, n in held.kinds)
+    return round(params * linears / total) if total else 0
+
+
 def state_bytes(shape: ModelShape, v: PlanView, setup: Setup) -> list[dict[str, int]]:
     """params / grads / optimizer bytes on each pp rank (rank 0 of its other groups)."""
     return [dict(r) for r in state_rows(shape, v, setup)]
@@ -224,8 +235,21 @@ def _state_bytes(shape: ModelShape, v: PlanView,
     for held, _ in stage_layers(shape, v):
         if held not in seen:
             params, grads, states = state_numel(shape, held, v)
-            b = shape.param_bytes
-            seen[held] = {"params": params * b, "grads": int(grads * b * share),
+            if v.distributed_optimizer and v.strategy != "fully_shard":
+                # the state split over dp x cp as a flat buffer's (memory alone: the step's
+                # optimizer time stays the strategy's, ``cost``)
+                tp, ep, dp, cp, dp_shard, _ = split_of(v)
+                states = _held_numel(shape, held, (tp, ep, dp, cp, dp_shard, "sharded"), None)
+            b = w = g = shape.param_bytes
+            if v.master_in_optimizer:  # weights in the compute dtype, an fp32 master beside
+                # Adam's states, gradients in the reduce dtype (``PlanView``)
+                w, g, optimizer_states = v.compute_bytes or b, v.reduce_bytes or b, \
+                    optimizer_states + 1
+                b = 4
+            weights = params * w
+            if v.fp8_params:  # the blocks' linear weights in float8, 1 byte
+                weights -= (w - 1) * float8_weight_numel(shape, held, v, params)
+            seen[held] = {"params": weights, "grads": int(grads * g * share),
                           "optimizer": int(optimizer_states * states * b * share),
                           "numel": params}
         out.append(seen[held])

@@ -96,7 +96,10 @@ def _shape(m: dict[str, Any]) -> ModelShape:
 STACK_KEYS = ("overlap_grad_reduce", "fused_attention", "fused_elementwise", "p2p_split_over_tp",
               "pooled_nics", "sac_saves_gathers", "matmul_overlap", "overlap_p2p", "fused_loss",
               "repeat_kv", "fused_float8_casts", "frozen_weight_grads", "norm_upcast",
-              "float8_attention", "recompute_stops_early", "traced_recompute")
+              "float8_attention", "recompute_stops_early", "traced_recompute",
+              "master_in_optimizer", "distributed_optimizer", "fp8_params",
+              "float8_saved_inputs", "sp_saves_shard", "swiglu_saves_input",
+              "swiglu_input_bytes")
 #: a source's pipeline, where it differs from torch's: ``PipelineCost`` fields, by key
 PIPELINE_KEYS = {"pp_keeps_outputs": "keeps_outputs", "pp_recv_buffers": "recv_buffers",
                  "pp_reduce_after_backward": "reduce_after_backward",

@@ -122,6 +122,36 @@ class PlanView:
     #: SDPA on ``repeat_kv``'s output: K/V kept and exchanged at the query heads' width);
     #: False: attention reads the shared K/V heads (transformers' SDPA path with ``enable_gqa``)
     repeat_kv: bool = False
+    #: Megatron-Core's mixed precision: the model's weights held in the compute dtype (1 byte
+    #: where ``fp8_params``), the fp32 master copy one more optimizer state beside Adam's two
+    #: (split as they are), the gradient buffer (``main_grad``) in the reduce dtype (fp32 where
+    #: grad_reduce_in_fp32, else bf16); False: torch's, the parameters themselves the fp32
+    #: master (the shape's ``param_bytes``), their gradients alike
+    master_in_optimizer: bool = False
+    #: the optimizer state (and a master kept in it) split over the dp x cp ranks whatever the
+    #: strategy its traffic is priced as (Megatron's distributed optimizer under rows priced as
+    #: "replicate": its reduce-scatter and all-gather move an all-reduce's bytes); False: as
+    #: the strategy keeps it
+    distributed_optimizer: bool = False
+    #: the blocks' linear weights held in float8, 1 byte each (Transformer Engine's
+    #: fp8_model_init: NeMo's and Megatron's ``fp8_params``); embeddings, head, norms and the
+    #: router stay in the compute dtype
+    fp8_params: bool = False
+    #: a float8 linear keeps its saved input in float8, 1 byte an element (Transformer Engine's,
+    #: which saves the cast it ran the GEMM on); False: the input in the compute dtype,
+    #: recast in backward (torchao's)
+    float8_saved_inputs: bool = False
+    #: under sequence parallelism a column-parallel linear keeps its input's local sequence
+    #: shard and all-gathers it again in backward (Transformer Engine's ``ln_out_needs_gather``);
+    #: False: the gathered input (torch's SequenceParallel)
+    sp_saves_shard: bool = False
+    #: SwiGLU keeps only its input (gate and up, 2 x intermediate) and recomputes silu and the
+    #: product in backward (Megatron-Core's fused ``bias_swiglu``); False: gate, up,
+    #: silu(gate) and the product as an eager SwiGLU saves them (Hugging Face's)
+    swiglu_saves_input: bool = False
+    #: the bytes an element of that saved input takes (1: Megatron-Core's
+    #: ``activation_func_fp8_input_store``); 0: the compute dtype
+    swiglu_input_bytes: int = 0
 
     @property
     def dp(self) -> int:
