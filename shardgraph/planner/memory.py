@@ -241,16 +241,15 @@ def _state_bytes(shape: ModelShape, v: PlanView,
                 tp, ep, dp, cp, dp_shard, _ = split_of(v)
                 states = _held_numel(shape, held, (tp, ep, dp, cp, dp_shard, "sharded"), None)
             b = w = g = shape.param_bytes
+            kept = optimizer_states
             if v.master_in_optimizer:  # weights in the compute dtype, an fp32 master beside
                 # Adam's states, gradients in the reduce dtype (``PlanView``)
-                w, g, optimizer_states = v.compute_bytes or b, v.reduce_bytes or b, \
-                    optimizer_states + 1
-                b = 4
+                w, g, b, kept = v.compute_bytes or b, v.reduce_bytes or b, 4, kept + 1
             weights = params * w
             if v.fp8_params:  # the blocks' linear weights in float8, 1 byte
                 weights -= (w - 1) * float8_weight_numel(shape, held, v, params)
             seen[held] = {"params": weights, "grads": int(grads * g * share),
-                          "optimizer": int(optimizer_states * states * b * share),
+                          "optimizer": int(kept * states * b * share),
                           "numel": params}
         out.append(seen[held])
     return tuple(out)
