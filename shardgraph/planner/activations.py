@@ -60,7 +60,7 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     replace torch's where its source says so: SwiGLU keeping its input alone
     (``swiglu_saves_input``, at ``swiglu_input_bytes``), a trained float8 linear its float8
     cast (``float8_saved_inputs``), a column-parallel one its sequence shard under sp
-    (``sp_saves_shard``).
+    (``sp_saves_shard``), q, k and v's adapters one (``fused_qkv_adapter``).
     """
     h, t = shape.hidden, v.tp
     q = shape.heads * shape.head_dim
@@ -108,12 +108,16 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     inside = (q + q + mlp + f_extra) / t + product + casts
     # K/V: the rank's own, or all-gathered over cp and kept whole
     kv = kv_width(shape, v) * (v.cp if v.keeps_gathered_kv else 1)
+    # q, k and v's adapters as one (``PlanView.fused_qkv_adapter``): one input read, one product
+    shared = max(sum(r in v.adapted for r in ("q", "k", "v")) - 1, 0) \
+        if v.fused_qkv_adapter else 0
     # each adapter's rank-wide product, kept for its second matmul's weight gradient
-    dropped = v.adapter_rank * len(v.adapted) * dtype / v.cp if v.adapter_rank else 0.0
+    adapters = len(v.adapted) - shared
+    dropped = v.adapter_rank * adapters * dtype / v.cp if v.adapter_rank else 0.0
     if v.adapter_dropout:
         # every adapter's input: q, k, v and gate, up (or fc1) whole, o's and down's split
         width = {"q": h, "k": h, "v": h, "o": q / t, "gate": h, "up": h, "down": down / t}
-        inputs = sum(width[r] for r in v.adapted)
+        inputs = sum(width[r] for r in v.adapted) - shared * h
         # each adapter keeps its dropped-out copy and mask instead: the inputs it read are
         # no longer kept (but o's, attention's output)
         dropped += ((dtype + MASK_BYTES) * inputs - dtype * (linear_in + product)) / v.cp

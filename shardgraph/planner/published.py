@@ -99,7 +99,7 @@ STACK_KEYS = ("overlap_grad_reduce", "fused_attention", "fused_elementwise", "p2
               "float8_attention", "recompute_stops_early", "traced_recompute",
               "master_in_optimizer", "distributed_optimizer", "fp8_params",
               "float8_saved_inputs", "sp_saves_shard", "swiglu_saves_input",
-              "swiglu_input_bytes")
+              "swiglu_input_bytes", "fused_qkv_adapter")
 #: a source's pipeline, where it differs from torch's: ``PipelineCost`` fields, by key
 PIPELINE_KEYS = {"pp_keeps_outputs": "keeps_outputs", "pp_recv_buffers": "recv_buffers",
                  "pp_reduce_after_backward": "reduce_after_backward",

@@ -152,6 +152,10 @@ class PlanView:
     #: the bytes an element of that saved input takes (1: Megatron-Core's
     #: ``activation_func_fp8_input_store``); 0: the compute dtype
     swiglu_input_bytes: int = 0
+    #: q, k and v carry one adapter on their fused projection (NeMo's LoRA on ``linear_qkv``):
+    #: one rank-wide product and, with dropout, one dropped-out copy of the input and its mask;
+    #: False: an adapter each (PEFT's on Hugging Face's q_proj, k_proj, v_proj)
+    fused_qkv_adapter: bool = False
 
     @property
     def dp(self) -> int:
