@@ -402,10 +402,6 @@ _OOM_405B_PP16 = ("Megatron-Bridge's Llama 3.1 405B with TP 4 x PP 16 x VP 4 on 
                   "priced at 1.02 of the GPU, its first pp rank's activations the micro-batches "
                   "the interleaved schedule keeps in flight; the recipe's split counting the "
                   "embedding and the loss as layers (notes) is not modelled")
-_OOM_LIGER = ("NeMo AutoModel's one-GPU LoRA rows run Hugging Face's models patched with "
-              "liger-kernel's SwiGLU, RMSNorm and RoPE (notes): the norms are priced fused "
-              "(norm_upcast = false), SwiGLU as Hugging Face's eager one: 0.96 and 1.00 of the "
-              "H100")
 _OOM_TT_13B = ("torchtitan's Llama 2 13B on 64 A100s without activation checkpointing (no memory "
                "stated) is priced at 0.98 of the A100's 80 GB: a torch stack, left as priced")
 _OOM_MEGATRON_FSDP = ("Megatron-Bridge's Llama 3 8B under Megatron FSDP on 8 H100s is priced as "
@@ -444,10 +440,6 @@ OVER_HBM = {name: why for why, names in (
         "Llama 3.1 405B TP 4 PP 16 VP 4 256 GB200 FP8 (Megatron-Bridge 25.11)",
         "Llama 3.1 405B TP 4 PP 16 VP 4 256 GB200 FP8 (Megatron-Bridge 26.06)",
     )),
-    (_OOM_LIGER, (
-        "Llama 3.1 8B LoRA r16 1 H100 (AutoModel)",
-        "Qwen2.5 7B LoRA r16 1 H100 (AutoModel)",
-    )),
     (_OOM_TT_13B, (
         "Llama 2 13B FSDP 64 A100 no AC",
     )),
@@ -465,7 +457,8 @@ def test_every_published_run_fits_the_gpu_it_ran_on():
     ``distributed_optimizer``, ``fp8_params``, ``float8_saved_inputs``, ``sp_saves_shard``,
     ``swiglu_saves_input``, ``swiglu_input_bytes``, each cited in published.toml), 30 before
     NeMo's LoRA was priced as one adapter on the fused q/k/v projection
-    (``fused_qkv_adapter``), 24 since."""
+    (``fused_qkv_adapter``), 24 before NeMo AutoModel's one-GPU LoRA runs were priced with
+    liger-kernel's SwiGLU (``swiglu_saves_input``: gate and up kept alone), 22 since."""
     from shardgraph.planner.predict import USABLE_HBM
 
     GiB = 2**30
