@@ -383,10 +383,11 @@ _OOM_LLAMA3 = ("Meta's Llama 3 405B runs (Table 4) used Meta's own pipeline, sha
                "kernels, whose saved activations and buffers the paper does not state; priced "
                "with torch's (Hugging Face's eager activations, fp32 masters, the interleaved "
                "schedule's micro-batches in flight) at 2.0 to 2.4 times the H100's 80 GB")
-_OOM_ZERO3 = ("Megatron-LM 2021's ZeRO-3 rows of the 529.6B GPT (a torch stack here, left as "
-              "priced) are priced as fsdp2 deferring the gradient reduction to the last "
-              "micro-batch, every block's unsharded fp32 gradients held (37.5 GiB of buffers), "
-              "where ZeRO-3 reduce-scatters each micro-batch's: 1.33 and 0.95 of the A100's 80 GB")
+_OOM_ZERO3 = ("Megatron-LM 2021's DeepSpeed ZeRO-3 rows of the 529.6B GPT are priced as fsdp2: "
+              "a block of 5.0B parameters gathered whole, two at a time in bf16, and one "
+              "block's unsharded fp32 gradients (37.5 GiB of buffers), where DeepSpeed's ZeRO-3 "
+              "gathers and reduces parameter by parameter, at most stage3_max_live_parameters "
+              "(1e9 by default) live: 1.33 and 0.95 of the A100's 80 GB")
 _OOM_NEMO_LORA = ("MLPerf's Llama 2 70B LoRA (NVIDIA's NeMo code, 8,192-token micro-batches, no "
                   "recomputation) without tp stays at 0.99 to 1.66 of its GPU with "
                   "Megatron-Core's and Transformer Engine's keys and NeMo's one adapter on the "
