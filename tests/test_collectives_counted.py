@@ -1,9 +1,9 @@
 """The dry run's collectives against what torch issues: a real gloo step of tp, sp, cp, ep and pp
-(alone and together, ep with pp and with cp among them, with and without full and selective
-activation checkpointing, with LoRA's adapters and chunked_loss's kernel under tp; Llama, Qwen3,
-Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Gemma 3, Gemma 3n, Qwen3-MoE and Mixtral; the
-training step over two micro-batches, or a pipeline schedule's whole batch in microbatches of
-one, then the pipeline's ``reduce_grads``) counted at the dispatcher below DTensor (the
+(alone and together, ep with pp and with cp among them, ep x tp with no dp rank, with and
+without full and selective activation checkpointing, with LoRA's adapters and chunked_loss's
+kernel under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Gemma 3, Gemma
+3n, Qwen3-MoE and Mixtral; the training step over two micro-batches, or a pipeline schedule's
+whole batch in microbatches of one, then the pipeline's ``reduce_grads``) counted at the dispatcher below DTensor (the
 collectives DTensor issues inside an op too), group by group, call by call and byte by byte,
 against the rows ``shardgraph dryrun`` prints for the same plan (``train/dryrun.collectives``).
 The strategy's rows are compared too: fsdp2 (alone, resharding after forward or not, under
@@ -176,6 +176,10 @@ CASES[4].update({
     "qwen3_moe_ep4_tp_ac": ("qwen3_moe", "[plugins.tp]\nsize = 2\n[plugins.ep]\nsize = 4\n"
                                          "[plugins.fsdp2]\n[plugins.activation_checkpointing]\n"),
 })
+# ep x tp with no data-parallel rank: fsdp2 over one rank (``when_required``), the experts'
+# unit over ep_shard = 1 (its HSDP all-reduce on that one rank is issued, and counted)
+CASES[2]["qwen3_moe_ep2_tp_sp_dp1"] = ("qwen3_moe", "[plugins.tp]\nsize = 2\n[plugins.sp]\n"
+                                                    "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n")
 # a selective checkpoint keeps the outputs of ep's all-to-alls, the counts' among them
 CASES[2]["qwen3_moe_ep_selective_ac"] = ("qwen3_moe", "[plugins.ep]\nsize = 2\n[plugins.fsdp2]\n"
                                                       "[plugins.activation_checkpointing]\n"
