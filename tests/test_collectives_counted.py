@@ -3,8 +3,9 @@
 without full and selective activation checkpointing, with LoRA's adapters and chunked_loss's
 kernel under tp; Llama, Qwen3, Qwen2-MoE, DeepSeek's MLA, Phi-3, Olmo 2, Gemma 2, Gemma 3, Gemma
 3n, Qwen3-MoE and Mixtral; the training step over two micro-batches, or a pipeline schedule's
-whole batch in microbatches of one, then the pipeline's ``reduce_grads``) counted at the dispatcher below DTensor (the
-collectives DTensor issues inside an op too), group by group, call by call and byte by byte,
+whole batch in microbatches of one, then the pipeline's ``reduce_grads``) counted at the
+dispatcher below DTensor (the collectives DTensor issues inside an op too), group by group, call
+by call and byte by byte,
 against the rows ``shardgraph dryrun`` prints for the same plan (``train/dryrun.collectives``).
 The strategy's rows are compared too: fsdp2 (alone, resharding after forward or not, under
 activation checkpointing, tp, cp, ep, LoRA and a pipeline; hsdp) and ddp, whose collectives
