@@ -400,9 +400,10 @@ _OOM_MOE = ("Megatron-Bridge's Qwen3 mixture-of-experts rows are priced with Hug
             "bias_activation_fusion not found set in the Qwen3 provider); Megatron-Core's token "
             "permutation and grouped GEMMs keep otherwise, not priced: 1.01 to 1.29 of the GPU")
 _OOM_405B_PP16 = ("Megatron-Bridge's Llama 3.1 405B with TP 4 x PP 16 x VP 4 on 256 GB200s is "
-                  "priced at 1.02 of the GPU, its first pp rank's activations the micro-batches "
-                  "the interleaved schedule keeps in flight; the recipe's split counting the "
-                  "embedding and the loss as layers (notes) is not modelled")
+                  "priced at 1.02 of the GPU on its second pp rank, 115 GiB of it the "
+                  "activations of the micro-batches torch's interleaved schedule keeps in "
+                  "flight there (the recipe's split, the embedding and the loss each counted "
+                  "as a layer, is the pp plugin's own for 126 layers over 64 stages)")
 _OOM_TT_13B = ("torchtitan's Llama 2 13B on 64 A100s without activation checkpointing (no memory "
                "stated) is priced at 0.98 of the A100's 80 GB: a torch stack, left as priced")
 _OOM_MEGATRON_FSDP = ("Megatron-Bridge's Llama 3 8B under Megatron FSDP on 8 H100s is priced as "
