@@ -10,6 +10,7 @@ import re
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 import shardgraph
@@ -328,6 +329,29 @@ def test_a_local_batch_of_the_wrong_type_is_refused_before_searching(tmp_path, c
             "positive integer, got 0") in err, err
     assert "[value] --top: --top must be >= 1, got 0" in err
 
+def test_a_plan_is_written_in_the_distributed_form_where_it_has_a_spelling():
+    """``graphs.toml.distributed_form``: the inverse of the [distributed] form's reading, each
+    table read back into the same entries; a plugin or option that form cannot spell says so."""
+    from shardgraph.graphs.toml import distributed_form, graph_from_dict
+
+    plugins = {"fsdp2": {"reshard_after_forward": False}, "hsdp": {"size": 2},
+               "tp": {"size": 2}, "sp": {}, "pp": {"size": 2, "schedule": "interleaved_1f1b",
+                                                   "microbatch_size": 1},
+               "ep": {"size": 2, "reshard_after_forward": True},
+               "activation_checkpointing": {"mode": "selective"},
+               "mixed_precision": {"reduce_dtype": "fp32"},
+               "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj"]}}
+    tables, why = distributed_form(plugins, dp_size=4)
+    assert why == "" and tables["distributed"]["dp_size"] == 4
+    graph = graph_from_dict(tables)
+    assert not graph.problems and graph.dp_size == 4
+    assert {e.name: e.options for e in graph.entries} == plugins
+    assert distributed_form({"fsdp2": {}, "tp": {"size": 2, "loss_parallel": True}}) == (
+        None, "tp's loss_parallel has no [distributed] key")
+    assert distributed_form({"fsdp2": {}, "compile": {}}) == (
+        None, "compile has no [distributed] spelling")
+
+
 DP_4 = TINY.replace("[plugins.mixed_precision]\n", "[distributed]\ndp_size = 4\ntp_size = 2\n"
                    "[distributed.mixed_precision]\n")
 
@@ -373,10 +397,20 @@ def test_autoplan_keeps_the_files_dp_size_and_train_takes_its_best_plans(tmp_pat
             "searched\n" in out), out
     assert ("the search chooses the model-parallel sizes: each plan has its own, not the "
             "file's distributed.tp_size = 2\n" in out), out
-    # the printed best plan, pasted in place of the file's [distributed] section, is one
-    # train takes, with the file's dp
+    # the printed best plan is in the file's form, its dp_size with it: pasted in place of the
+    # file's [distributed] section, it is one train takes, with the file's dp, and the plan
+    # the row's graph-form tables give (no loss_parallel: that form has no key for it)
+    printed = out.split("best plan:\n", 1)[1]
+    assert printed.startswith("  [distributed]\n  strategy = \"fsdp2\"\n") \
+        and "  dp_size = 4\n" in printed and "[plugins." not in printed, out
+    assert result["form"] == "distributed"
+    assert all("loss_parallel" not in r["pipeline"]["plugins"].get("tp", {}) for r in rows)
     text = _with_best_plan(DP_4.split("[distributed]\n", 1)[0], out)
-    assert compile_for(loads_pipeline(text), 8).layout.dp == 4
+    plan = compile_for(loads_pipeline(text), 8)
+    row = compile_for(loads_pipeline(_as_file(TINY, rows[0])), 8)
+    assert plan.layout == attrs.evolve(row.layout, gpus_per_node=4) and plan.layout.dp == 4
+    assert [(s.plugin, s.options) for s in plan.steps] == \
+        [(s.plugin, s.options) for s in row.steps]
     assert main(["plan", "--auto", str(tmp_path / "p.toml"), "--world-size", "8",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dp_size"]["size"] == 4

@@ -328,3 +328,46 @@ def _distributed(graph: Graph, dist: dict[str, Any], bad: list[Violation],
         mp = _table(dist, "mixed_precision", bad, p)
         graph.entries.append(Entry("mixed_precision", mp, path=p + "mixed_precision",
                                    origins={k: f"{p}mixed_precision.{k}" for k in mp}))
+
+
+def distributed_form(plugins: Mapping[str, Mapping[str, Any]], *, dp_size: int | None = None,
+                     registry: Registry | None = None) -> tuple[dict[str, Any] | None, str]:
+    """The ``[distributed]`` (and ``[peft]``) tables that read back into the graph-form
+    ``plugins`` (``plugin -> options``): the inverse of ``_distributed``, or ``(None, why)``
+    where a plugin or option has no ``[distributed]`` spelling (a plugin outside that form, an
+    option of tp or cp besides their size)."""
+    registry = registry if registry is not None else default_registry()
+    by_plugin = {plugin: (key, section) for key, (plugin, section) in SIZE_KEYS.items()}
+    switches = {plugin: key for key, plugin in SWITCHES.items()}
+    spelled = {option: key for key, option in PIPELINE_KEYS.items()}
+    peft = {option: key for key, option in PEFT_KEYS.items()}
+    dist: dict[str, Any] = {}
+    out: dict[str, Any] = {"distributed": dist}
+    for name, options in plugins.items():
+        plugin = registry.get(name) if name in registry else None
+        if plugin is not None and plugin.kind is Kind.STRATEGY:
+            dist["strategy"] = name
+            dist.update(options)
+        elif name in by_plugin:
+            key, section = by_plugin[name]
+            dist[key] = options.get("size", 1)
+            rest = {o: v for o, v in options.items() if o != "size"}
+            if rest and section is None:
+                return None, f"{name}'s {', '.join(sorted(rest))} has no [distributed] key"
+            if rest:
+                names = spelled if section == "pipeline" else {}
+                dist[section] = {names.get(o, o): v for o, v in rest.items()}
+        elif name in switches:
+            key = switches[name]
+            option = SWITCH_STRINGS.get(key)
+            dist[key] = (options[option] if option and set(options) == {option}
+                         else dict(options) if options else True)
+        elif name == "mixed_precision":
+            dist["mixed_precision"] = dict(options)
+        elif name == PEFT_PLUGIN and set(options) <= set(peft):
+            out["peft"] = {peft[o]: v for o, v in options.items()}
+        else:
+            return None, f"{name} has no [distributed] spelling"
+    if dp_size is not None:
+        dist["dp_size"] = dp_size
+    return out, ""

@@ -101,7 +101,8 @@ def render_candidates(result: dict[str, Any]) -> str:
                      f"the file's {given}")
     lines += ["", "best plan:"]
     best = rows[0]
-    lines += ["  " + line for line in _toml(best).splitlines()]
+    lines += ["  " + line for line in _toml(best, result.get("form"),
+                                            result.get("dp_size")).splitlines()]
     lines += ["", *memory_lines(best), "", *time_lines(best), *caveat_lines(best)]
     if result["why"]:
         lines += ["", "why:", *("  " + w for w in result["why"])]
@@ -110,10 +111,22 @@ def render_candidates(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _toml(row: dict[str, Any]) -> str:
+def _toml(row: dict[str, Any], form: str | None = None,
+          dp_size: dict[str, Any] | None = None) -> str:
+    """The row's plan as TOML, in the file's form: ``[plugins.*]`` tables, or the
+    ``[distributed]`` ones a file in that form reads back (``graphs.toml.distributed_form``;
+    where the plan has no such spelling, the graph form and why)."""
+    from ..graphs.toml import distributed_form
+
     out = []
     tables = dict(row["pipeline"]["plugins"])
-    for name, opts in tables.items():
+    written, why = distributed_form(tables, dp_size=dp_size and dp_size["size"]) \
+        if form == "distributed" else (None, "")
+    if why:
+        out.append(f"# in the [plugins] form: {why}")
+    if written is not None:
+        out += _tables(written)
+    for name, opts in tables.items() if written is None else ():
         out.append(f"[plugins.{name}]")
         out += [f"{k} = {_value(v)}" for k, v in opts.items()]
     out.append("[mesh]")
@@ -121,6 +134,17 @@ def _toml(row: dict[str, Any]) -> str:
     if "train" in row:
         out.append(f"# and in [train]: micro_batch_size = {row['train']['micro_batch_size']}")
     return "\n".join(out)
+
+
+def _tables(tables: dict[str, Any], prefix: str = "") -> list[str]:
+    """Nested tables as TOML: each table's own keys, then its sub-tables."""
+    out = []
+    for name, table in tables.items():
+        out.append(f"[{prefix}{name}]")
+        out += [f"{k} = {_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+        out += _tables({k: v for k, v in table.items() if isinstance(v, dict)},
+                       f"{prefix}{name}.")
+    return out
 
 
 def _value(v: Any) -> str:

@@ -70,7 +70,9 @@ def _base(pipeline, registry) -> Base:
                for e in pipeline.graph.entries}
     kept = tuple(n for n in options if n in registry
                  and not registry.get(n).provides & DECIDED)
-    return Base(options, kept)
+    form = "distributed" if any(e.path.startswith("distributed.")
+                                for e in pipeline.graph.entries) else "plugins"
+    return Base(options, kept, form)
 
 
 def _graph(registry, names, cand: Candidate, base, world: int, gpn: int,
@@ -273,7 +275,8 @@ def autoplan(pipeline, world_size: int, *, gpus_per_node: int | None = None,
                          setup_for(chosen[0]), chip, eff, fixed_key)
     counts["seconds"] = round(time.perf_counter() - began, 3)
     shown = results[:top] if not compile_all else results
-    out = {"candidates": shown, "searched": counts, "software": software, "why": _why(shown)}
+    out = {"candidates": shown, "searched": counts, "software": software, "why": _why(shown),
+           "form": base.form}
     if fixed is not None:
         out["local_batch"] = {"key": fixed_key, "size": fixed, "dp": setup.global_batch // fixed}
     if pinned.dp is not None:
@@ -309,7 +312,7 @@ def _software(registry, base: Base, names, cand: Candidate, best: dict[str, Any]
         plugin = provider(registry, capability)
         if plugin is None or plugin.name in base.options:
             continue
-        added = Base({**base.options, plugin.name: {}}, (*base.kept, plugin.name))
+        added = Base({**base.options, plugin.name: {}}, (*base.kept, plugin.name), base.form)
         try:
             _graph(registry, names, cand, added, view.world, view.gpn, local, fixed_key).compile(
                 world_size=view.world, gpus_per_node=view.gpn, registry=registry)

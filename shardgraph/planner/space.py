@@ -61,8 +61,10 @@ class Candidate:
         if self.tp > 1:
             put("tp", size=self.tp)
             # the loss on vocabulary shards (no gathered logits, 1 / tp of their memory),
-            # unless the user chose otherwise
-            out[names["tp"]].setdefault("loss_parallel", True)
+            # unless the user chose otherwise or wrote the [distributed] form, which has no key
+            # for it (the plan must read back into the user's file)
+            if base.form != "distributed":
+                out[names["tp"]].setdefault("loss_parallel", True)
         if self.sp:
             put("sp")
         if self.pp > 1:
@@ -107,6 +109,8 @@ class Base:
 
     options: dict[str, dict[str, Any]]
     kept: tuple[str, ...]
+    #: the file's form, "plugins" or "distributed" (``graphs.toml``): the plans are written in it
+    form: str = "plugins"
 
 
 #: what the search decides: a plugin providing one of these is the search's to place or drop
