@@ -400,10 +400,13 @@ def test_autoplan_keeps_the_files_dp_size_and_train_takes_its_best_plans(tmp_pat
     # the printed best plan is in the file's form, its dp_size with it: pasted in place of the
     # file's [distributed] section, it is one train takes, with the file's dp, and the plan
     # the row's graph-form tables give (no loss_parallel: that form has no key for it)
-    printed = out.split("best plan:\n", 1)[1]
+    printed = out.split("best plan:\n", 1)[1].split("\n\n", 1)[0]
     assert printed.startswith("  [distributed]\n  strategy = \"fsdp2\"\n") \
         and "  dp_size = 4\n" in printed and "[plugins." not in printed, out
     assert result["form"] == "distributed"
+    # what it would add beyond the layout (compile, float8) needs the other form: it says so
+    assert ("beyond the layout:\n  adding compile to #1" in out and "  (each needs the file in "
+            "the [plugins.*] form: [distributed] has no key for them)\n" in out), out
     assert all("loss_parallel" not in r["pipeline"]["plugins"].get("tp", {}) for r in rows)
     text = _with_best_plan(DP_4.split("[distributed]\n", 1)[0], out)
     plan = compile_for(loads_pipeline(text), 8)

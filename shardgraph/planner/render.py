@@ -108,6 +108,9 @@ def render_candidates(result: dict[str, Any]) -> str:
         lines += ["", "why:", *("  " + w for w in result["why"])]
     if result.get("software"):
         lines += ["", "beyond the layout:", *("  " + s["why"] for s in result["software"])]
+        if result.get("form") == "distributed":
+            lines.append("  (each needs the file in the [plugins.*] form: [distributed] has no "
+                         "key for them)")
     return "\n".join(lines)
 
 
