@@ -389,12 +389,11 @@ _OOM_ZERO3 = ("Megatron-LM 2021's DeepSpeed ZeRO-3 rows of the 529.6B GPT are pr
               "gathers and reduces parameter by parameter, at most stage3_max_live_parameters "
               "(1e9 by default) live: 1.33 and 0.95 of the A100's 80 GB")
 _OOM_NEMO_LORA = ("MLPerf's Llama 2 70B LoRA (NVIDIA's NeMo code, 8,192-token micro-batches, no "
-                  "recomputation) without tp stays at 0.99 to 1.66 of its GPU with "
-                  "Megatron-Core's and Transformer Engine's keys and NeMo's one adapter on the "
-                  "fused linear_qkv (its tp 2 and tp 4 runs fit): Transformer Engine's FP8 "
-                  "attention (FP8_DPA) keeping q, k, v and its output in FP8 is not priced; the "
-                  "University of Florida's v5.1 runs keep bf16 weights (FP8_PARAM_GATHER=0). What "
-                  "else lets them fit is not found")
+                  "recomputation) without tp stays at 0.97 to 1.59 of its GPU with "
+                  "Megatron-Core's and Transformer Engine's keys, NeMo's one adapter on the "
+                  "fused linear_qkv and FP8 attention's FP8 saves (its tp 2 and tp 4 runs fit); "
+                  "the University of Florida's v5.1 runs keep bf16 weights (FP8_PARAM_GATHER=0). "
+                  "What else lets them fit is not found")
 _OOM_MOE = ("Megatron-Bridge's Qwen3 mixture-of-experts rows are priced with Hugging Face's "
             "dropless MoE saves (each routed copy's input and output, an eager SwiGLU: "
             "bias_activation_fusion not found set in the Qwen3 provider); Megatron-Core's token "

@@ -60,7 +60,8 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     replace torch's where its source says so: SwiGLU keeping its input alone
     (``swiglu_saves_input``, at ``swiglu_input_bytes``), a trained float8 linear its float8
     cast (``float8_saved_inputs``), a column-parallel one its sequence shard under sp
-    (``sp_saves_shard``), q, k and v's adapters one (``fused_qkv_adapter``).
+    (``sp_saves_shard``), q, k and v's adapters one (``fused_qkv_adapter``), attention's
+    saves in float8 where it ran in float8 (``float8_attention``).
     """
     h, t = shape.hidden, v.tp
     q = shape.heads * shape.head_dim
@@ -105,9 +106,13 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     if v.swiglu_saves_input and (shape.gated or shape.is_moe):
         mlp = 2 * f * (v.swiglu_input_bytes or dtype) / dtype
     # q, attention output, the MLP
-    inside = (q + q + mlp + f_extra) / t + product + casts
+    # attention keeps q, its K/V and its output: in float8 where it ran in float8 (Transformer
+    # Engine's FusedAttnFunc saves the FP8 tensors its backward reads, NVTE_FP8_DPA_BWD's
+    # default), 1 byte an element, in units of the compute dtype
+    attn = 1 / dtype if v.float8_attention else 1.0
+    inside = (attn * (q + q) + mlp + f_extra) / t + product + casts
     # K/V: the rank's own, or all-gathered over cp and kept whole
-    kv = kv_width(shape, v) * (v.cp if v.keeps_gathered_kv else 1)
+    kv = attn * kv_width(shape, v) * (v.cp if v.keeps_gathered_kv else 1)
     # q, k and v's adapters as one (``PlanView.fused_qkv_adapter``): one input read, one product
     shared = max(sum(r in v.adapted for r in ("q", "k", "v")) - 1, 0) \
         if v.fused_qkv_adapter else 0

@@ -92,7 +92,8 @@ class PlanView:
     #: torchao's); False: a frozen weight's is skipped (Transformer Engine's)
     frozen_weight_grads: bool = False
     #: attention's matmuls in float8 (Transformer Engine's FP8 attention, cuDNN's kernel: a
-    #: published stack's, ``Efficiency.float8_attention``); False: bf16, as shardgraph runs it
+    #: published stack's, ``Efficiency.float8_attention``), q, K/V and its output kept for
+    #: backward in float8; False: bf16, as shardgraph runs it
     float8_attention: bool = False
     #: pipeline sends split over tp and gathered after (Megatron-LM's scatter/gather)
     p2p_split_over_tp: bool = False
