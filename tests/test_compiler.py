@@ -193,9 +193,14 @@ def test_fsdp2_applies_at_degree_one_where_ep_needs_its_unit():
     """ep under tp 2 on 2 processes: tp leaves no data-parallel rank, but ep shards the experts
     in fsdp2's unit, so fsdp2 (``when_required``) is active over its one rank and the plan
     compiles (as torchtitan applies FSDP whenever ep is on), with a dp fixed to 1 too; without
-    ep it stays idle."""
+    ep it stays idle. ``explain`` says why it runs."""
+    from shardgraph.graphs.explain import explain
+
     plan = g("fsdp2", ("tp", {"size": 2}), ("ep", {"size": 2})).compile(world_size=2)
     assert plan.layout.dp == 1 and plan.step("fsdp2") is not None
+    # explain says why a step whose axis has one rank runs
+    assert "  3. fsdp2  (over one rank: ep requires its fully_shard)\n" in explain(plan), \
+        explain(plan)
     assert g("fsdp2", ("tp", {"size": 2}), ("ep", {"size": 2}), dp_size=1).compile(
         world_size=2).step("fsdp2") is not None
     assert g("fsdp2", ("tp", {"size": 2})).compile(world_size=2).step("fsdp2") is None

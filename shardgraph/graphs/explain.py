@@ -58,7 +58,7 @@ def explain(plan: Plan, with_groups: bool = True) -> str:
         extra = "; ".join(f"{CONTRACT_NOUNS.get(cap, f'the {cap} value')} of {name}"
                           for cap, name, _ in step.inputs)
         extra = f"  (uses {extra})" if extra else ""
-        lines.append(f"  {i}. {step.plugin}{extra}")
+        lines.append(f"  {i}. {step.plugin}{extra}{_over_one_rank(plan, step.plugin)}")
     if not plan.steps:
         lines.append("  (none: nothing to parallelise at this world size)")
     shape = " x ".join(f"{a.value}={n}" for a, n in zip(lay.mesh_axes, lay.mesh_shape))
@@ -80,6 +80,18 @@ def explain(plan: Plan, with_groups: bool = True) -> str:
         lines.append("  (every axis has size 1)")
     lines += ["", _rank_table(plan)]
     return "\n".join(lines)
+
+
+def _over_one_rank(plan: Plan, name: str) -> str:
+    """Why a step whose axis has degree 1 runs: the steps that require what it provides (a
+    strategy declaring ``when_required``: fsdp2 over one rank, for ep's experts)."""
+    plugin = plan.registry.get(name)
+    if plugin.axis is None or plan.layout.degree(plugin.axis) != 1:
+        return ""
+    needs = {s.plugin: plan.registry.get(s.plugin).requires & plugin.provides
+             for s in plan.steps}
+    said = [f"{n} requires its {', '.join(sorted(caps))}" for n, caps in needs.items() if caps]
+    return f"  (over one rank: {'; '.join(said)})" if said else ""
 
 
 def _span(layout: MeshLayout, members: list[list[int]]) -> str:
