@@ -168,6 +168,8 @@ def run_plugins(args: argparse.Namespace) -> int:
                       "consumes", "reads"):
             if r[field]:
                 print(f"    {field:<9} {', '.join(r[field])}")
+        if r["when_required"]:
+            print("    runs over one rank where an active plugin requires what it provides")
         if r["options"]:
             print("    options:")
         for o in r["options"]:

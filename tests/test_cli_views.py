@@ -4,6 +4,7 @@ the missing world size, and a start that imports neither torch nor transformers.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -123,6 +124,10 @@ def test_plugins_lists_every_option_with_type_default_and_doc(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "defer_fsdp_grad_sync" in out and "reduce gradients only on the last" in out
+    # a strategy that runs over one rank where another requires it (fsdp2, for ep) says so
+    assert [n for n, p in plugins.items() if p["when_required"]] == ["fsdp2"]
+    fsdp2_text = re.search(r"^fsdp2 .*?^    options:", out, re.M | re.S)[0]
+    assert "runs over one rank where an active plugin requires what it provides" in fsdp2_text
 
 
 def test_options_of_a_third_party_class_are_described_from_its_source():

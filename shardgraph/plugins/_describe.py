@@ -26,7 +26,7 @@ def describe(registry: Registry) -> list[dict[str, Any]]:
         "provides": sorted(plugin.provides), "requires": sorted(plugin.requires),
         "conflicts": sorted(plugin.conflicts), "before": sorted(plugin.before),
         "after": sorted(plugin.after), "consumes": sorted(plugin.consumes),
-        "reads": sorted(plugin.reads),
+        "reads": sorted(plugin.reads), "when_required": plugin.when_required,
         "exports": [f"{cap} ({contracts[cap].__name__})" for cap in sorted(plugin.provides)
                     if cap in contracts],
         "source": registry.source(plugin.name), "doc": plugin.doc,
