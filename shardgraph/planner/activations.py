@@ -105,7 +105,6 @@ def act_bytes_per_token_layer(shape: ModelShape, v: PlanView, dtype: int) -> flo
     mlp = 4 * f - down
     if v.swiglu_saves_input and (shape.gated or shape.is_moe):
         mlp = 2 * f * (v.swiglu_input_bytes or dtype) / dtype
-    # q, attention output, the MLP
     # attention keeps q, its K/V and its output: in float8 where it ran in float8 (Transformer
     # Engine's FusedAttnFunc saves the FP8 tensors its backward reads, NVTE_FP8_DPA_BWD's
     # default), 1 byte an element, in units of the compute dtype

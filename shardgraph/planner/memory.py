@@ -205,7 +205,7 @@ def state_numel(shape: ModelShape, held: Held, v: PlanView) -> tuple[int, int, i
     return whole, (n if v.shards >= 2 else whole), (n if v.shards >= 1 else whole)
 
 
-def float8_weight_numel(shape: ModelShape, held: Held, v: PlanView, params: int) -> int:
+def float8_weight_numel(shape: ModelShape, held: Held, params: int) -> int:
     """Of the ``params`` elements a rank holds of ``held``, those of the blocks' linear
     weights (a routed expert's stack too, not the router): what ``PlanView.fp8_params`` holds
     in float8; a share of ``params`` as the strategy splits every parameter alike."""
@@ -247,7 +247,7 @@ def _state_bytes(shape: ModelShape, v: PlanView,
                 w, g, b, kept = v.compute_bytes or b, v.reduce_bytes or b, 4, kept + 1
             weights = params * w
             if v.fp8_params:  # the blocks' linear weights in float8, 1 byte
-                weights -= (w - 1) * float8_weight_numel(shape, held, v, params)
+                weights -= (w - 1) * float8_weight_numel(shape, held, params)
             seen[held] = {"params": weights, "grads": int(grads * g * share),
                           "optimizer": int(kept * states * b * share),
                           "numel": params}

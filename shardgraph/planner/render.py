@@ -127,11 +127,7 @@ def _toml(row: dict[str, Any], form: str | None = None,
         if form == "distributed" else (None, "")
     if why:
         out.append(f"# in the [plugins] form: {why}")
-    if written is not None:
-        out += _tables(written)
-    for name, opts in tables.items() if written is None else ():
-        out.append(f"[plugins.{name}]")
-        out += [f"{k} = {_value(v)}" for k, v in opts.items()]
+    out += _tables(written) if written is not None else _tables(tables, "plugins.")
     out.append("[mesh]")
     out += [f"{k} = {v}" for k, v in row["pipeline"]["mesh"].items()]
     if "train" in row:
