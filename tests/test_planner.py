@@ -17,6 +17,8 @@ import shardgraph
 from shardgraph import PlanError
 from shardgraph.cli import main
 from shardgraph.planner import predict, search
+from shardgraph.planner.cost import Efficiency
+from shardgraph.planner.fitted import HELD_OUT
 from shardgraph.train.config import loads_pipeline
 
 
@@ -170,6 +172,16 @@ def test_cli_estimate_text_and_json(tmp_path, capsys):
     assert main(["estimate", str(path), "--world-size", "256", "--gpu", "H200", "--json"]) == 0
     curve = json.loads(capsys.readouterr().out)["assumptions"]["efficiency_curve"]
     assert not curve["calibrated_on_this_gpu"] and curve["priced_as"] == "H100-SXM"
+    # how far the held-out runs those constants price fall from their measured step times
+    runs, mape, lowest, highest = HELD_OUT["H100-SXM"]
+    assert curve["held_out"] == {"runs": runs, "mape": mape, "lowest": lowest,
+                                 "highest": highest}
+    assert f"accuracy: the {runs} published runs held out of the fit that H100-SXM's " \
+        f"constants price are off by {mape:.1%} on average ({lowest:+.0%} to " \
+        f"{highest:+.0%})" in out
+    # constants other than the fitted ones: no held-out run was priced with them
+    other = predict.estimate(loads_pipeline(path.read_text()), 256, efficiency=Efficiency())
+    assert other["assumptions"]["efficiency_curve"]["held_out"] is None
     # GB200: an NVL72 rack is one NVLink domain, the node unless the plan or command says
     # otherwise; B200's constants price it (the same die)
     nodes = {}

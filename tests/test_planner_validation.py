@@ -1203,6 +1203,21 @@ def test_a_compiled_loss_keeps_the_logits_in_the_compute_dtype():
     assert attrs.fields_dict(PlanView)["fused_loss"].default is False
 
 
+def test_the_accuracy_estimate_states_is_the_held_out_rows():
+    """``estimate`` says, beside a step time, how far the held-out dense runs priced with the
+    same constants fall from their measured step times (``fitted.HELD_OUT``): those figures
+    are the rows' at ``FITTED``, for every constants' name that prices a GPU preset, each
+    preset's included."""
+    from shardgraph.planner.fitted import HELD_OUT
+    from shardgraph.planner.gpus import PRESETS
+
+    assert HELD_OUT == cal.held_out()
+    assert {cal.FITTED.priced_as(g) for g in PRESETS} <= set(HELD_OUT)
+    runs, mape, lowest, highest = HELD_OUT["A100-80GB"]  # Megatron-LM 2021's and torchtitan's
+    assert runs == sum(r.split == "test" and r.gpu.name == "A100-80GB" for r in cal.rows())
+    assert lowest < 0 < highest and mape < max(-lowest, highest)
+
+
 def test_the_moe_caveat_says_what_the_published_moe_rows_say():
     """``estimate``'s MoE line (render.caveat_lines) states the held-out MoE rows' measured over
     priced step: Megatron-Bridge 26.06's (HybridEP's dispatcher, CUDA graphs) and NeMo

@@ -30,7 +30,7 @@ import attrs
 
 from .cost import Efficiency, step_time
 from .fitted import FITTED
-from .gpus import GiB
+from .gpus import PRESETS, GiB
 from .memory import FUSED_SAVES
 from .predict import memory_of
 from .published import DATA, Row, _data, _row, rows
@@ -410,6 +410,25 @@ def fit() -> Efficiency:
     return eff
 
 
+def held_out(eff: Efficiency = FITTED) -> dict[str, tuple[int, float, float, float]]:
+    """Per constants' name that prices a GPU preset (``Efficiency.priced_as``): the held-out
+    step times of dense models priced with those constants, as (runs, mean absolute error,
+    lowest error, highest error), each error rounded to 0.001. ``fitted.HELD_OUT`` stores it
+    for ``FITTED`` (``estimate`` says it beside each step time; a test checks the two agree).
+    Mixtures of experts have a caveat of their own (``render.caveat_lines``)."""
+    found: dict[str, list[float]] = {}
+    for row in rows():
+        if row.split != "test" or row.metric is None or row.shape.is_moe:
+            continue
+        name = eff.priced_as(row.gpu.name)
+        if name in PRESETS:
+            t = step_time(row.shape, row.view, row.setup, row.gpu, eff)["step_time_s"]
+            pub = row.published_step_s()
+            found.setdefault(name, []).append((t - pub) / pub)
+    return {name: (len(e), round(sum(map(abs, e)) / len(e), 3), round(min(e), 3),
+                   round(max(e), 3)) for name, e in sorted(found.items())}
+
+
 def report(eff: Efficiency = FITTED) -> str:
     lines = [f"{'split':<5} {'row':<72} {'step s':>8} {'pub s':>8} {'err':>7} "
              f"{'GiB':>6} {'pub':>6} {'err':>7}"]
@@ -437,3 +456,4 @@ if __name__ == "__main__":
     found = fit()
     print(found)
     print(report(found))
+    print("HELD_OUT =", held_out(found))

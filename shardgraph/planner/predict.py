@@ -12,7 +12,7 @@ from ..core.batch import batch_split_violations
 from ..core.errors import PlanError, Violation, reported_under
 from ..graphs.local_batch import compile_with_local_batch
 from .cost import Efficiency, step_time
-from .fitted import FITTED
+from .fitted import FITTED, HELD_OUT
 from .flops import model_flops_per_token
 from .gpus import GPU, cluster_table, resolve_gpu
 from .memory import (FUSED_SAVES, activation_parts, buffer_parts, microbatches,
@@ -165,6 +165,17 @@ def fits(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU) -> bool:
         USABLE_HBM * gpu.hbm_bytes
 
 
+def _held_out(eff: Efficiency, gpu: GPU) -> dict[str, Any] | None:
+    """How far the published step times priced with ``gpu``'s constants and held out of the
+    fit fall from what they were measured at (``fitted.HELD_OUT``); None for other constants
+    than the fitted ones, or where no held-out run is priced with them."""
+    found = HELD_OUT.get(eff.priced_as(gpu.name)) if eff == FITTED else None
+    if found is None:
+        return None
+    runs, mape, lowest, highest = found
+    return {"runs": runs, "mape": mape, "lowest": lowest, "highest": highest}
+
+
 def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
              eff: Efficiency | None = None) -> dict[str, Any]:
     """The estimate of one plan view (no checks): the worst pp rank's memory and the step."""
@@ -206,7 +217,8 @@ def evaluate(shape: ModelShape, v: PlanView, setup: Setup, gpu: GPU,
                                  "attention": eff.attention_share(gpu.name),
                                  "float8": eff.float8 if gpu.fp8 else None,
                                  "calibrated_on_this_gpu": eff.calibrated(gpu.name),
-                                 "priced_as": eff.priced_as(gpu.name)},
+                                 "priced_as": eff.priced_as(gpu.name),
+                                 "held_out": _held_out(eff, gpu)},
             # cpu_offload's memory is priced (nothing on the GPU); its host transfers and the
             # CPU optimizer step are not
             "cpu_offload": offloaded,

@@ -45,6 +45,12 @@ def caveat_lines(est: dict[str, Any]) -> list[str]:
         lines.append(f"efficiency: no published run on {eff['gpu']['name']} is fitted; its "
                      f"matmuls and attention are priced with {curve['priced_as']}'s constants "
                      "(README, How accurate)")
+    held = curve.get("held_out")
+    if held and eff["model"]["step_time_validated"]:
+        lines.append(f"accuracy: the {held['runs']} published runs held out of the fit that "
+                     f"{curve['priced_as']}'s constants price are off by {held['mape']:.1%} on "
+                     f"average ({held['lowest']:+.0%} to {held['highest']:+.0%}) from their "
+                     "measured step times (README, How accurate)")
     if not eff["model"]["step_time_validated"]:
         lines.append("mixture of experts: the step time is not validated for shardgraph's ep "
                      "(torch's all-to-all, timed on no GPU); Megatron-Bridge 26.06's and NeMo "
