@@ -169,24 +169,8 @@ SPLIT_SHARED_EXPERT = {"model.layers.*.mlp.shared_expert.gate_proj": "colwise",
                        "model.layers.*.mlp.shared_expert.down_proj": "rowwise"}
 
 
-def _split_shared_expert_refused(world_size: int) -> dict:
-    """ep x tp with a user's tp plan that splits a module inside the MoE block: refused as ep
-    meets the plan tp applied (a user's plan is not read before tp's step runs)."""
-    plan = Graph().add("tp", size=2, plan=SPLIT_SHARED_EXPERT).add("ep", size=2).add(
-        "fsdp2").compile(world_size=world_size)
-    model = tiny_moe_shared_expert()
-    try:
-        plan.apply(model, plan.build_mesh("cpu"))
-    except PlanError as exc:
-        return {"rule": exc.rule, "keys": exc.violations[0].keys, "message": str(exc),
-                "experts_sharded": any(isinstance(p, DTensor)
-                                       for p in model.model.layers[0].mlp.experts.parameters())}
-    return {"rule": None}
-
-
 def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict:
-    out = {name: _split_shared_expert_refused(world_size) if name == "tp_split_shared_expert"
-           else _scenario(name, world_size) for name in names}
+    out = {name: _scenario(name, world_size) for name in names}
     dist.barrier()
     return out
 
@@ -199,8 +183,8 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return _dist.run(run_scenarios, 4, ["ep4", "ep2_dp4", "ep2_hsdp", "ep2_dp4_few_experts",
-                                        "tp_split_shared_expert"], timeout=300)
+    return _dist.run(run_scenarios, 4, ["ep4", "ep2_dp4", "ep2_hsdp", "ep2_dp4_few_experts"],
+                     timeout=300)
 
 
 def _matches_reference(results, name):
@@ -307,10 +291,13 @@ def test_model_checks_refuse_before_any_change(model_fn, ep, world, key, words):
 def test_under_tp_a_model_plan_that_splits_inside_the_moe_block_is_refused_before_any_change():
     """A module the model's own tp plan splits inside the MoE block would need every token on
     every tp rank, where ep x tp computes each rank's share: refused, naming the module."""
+    from transformers import Qwen2MoeForCausalLM
+
     plan = Graph().add("tp", size=2).add("ep", size=2).add("fsdp2").compile(world_size=4)
-    model = tiny_moe_shared_expert()
-    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, **{
+    config = tiny_moe_shared_expert().config
+    config.base_model_tp_plan = {**config.base_model_tp_plan, **{
         k.removeprefix("model."): v for k, v in SPLIT_SHARED_EXPERT.items()}}
+    model = Qwen2MoeForCausalLM(config)  # transformers merges the plan at init (model.tp_plan)
     with pytest.raises(PlanError, match="splits model.layers.0.mlp.shared_expert") as info:
         plan.apply(model, MeshContext(plan.layout, "cpu"))
     assert info.value.rules == ("ep-tp-split-block",)
@@ -318,12 +305,31 @@ def test_under_tp_a_model_plan_that_splits_inside_the_moe_block_is_refused_befor
     assert _unchanged(model)
 
 
-@pytest.mark.multiprocess
-def test_under_tp_a_users_plan_that_splits_inside_the_moe_block_is_refused(world4):
-    for r in world4:
-        got = r["tp_split_shared_expert"]
-        assert got["rule"] == "ep-tp-split-block" and got["keys"] == ("plugins.tp.plan",)
-        assert "shared_expert" in got["message"] and not got["experts_sharded"]
+def test_under_tp_a_users_plan_that_splits_inside_the_moe_block_is_refused_before_any_change():
+    """A user's tp plan is read by ep's model check through what tp exports before anything
+    applies (``core.values.TPPlan``): refused with the plan's key, the model untouched, and the
+    launcher's checks (``train.preflight``) find it before a process starts."""
+    plan = Graph().add("tp", size=2, plan=SPLIT_SHARED_EXPERT).add("ep", size=2).add(
+        "fsdp2").compile(world_size=4)
+    model = tiny_moe_shared_expert()
+    with pytest.raises(PlanError, match="splits model.layers.0.mlp.shared_expert") as info:
+        plan.apply(model, MeshContext(plan.layout, "cpu"))
+    [split] = [v for v in info.value.violations if v.rule == "ep-tp-split-block"]
+    assert split.keys == ("plugins.tp.plan",) and split.plugin == "ep"
+    assert "(and 5 more)" in split.message  # three linears in each of two layers
+    assert _unchanged(model)
+    # the launcher's check of the model, on rank 0 of a fake world (no process group)
+    from shardgraph.train.preflight import model_checks
+
+    bad = []
+    model_checks(plan, tiny_moe_shared_expert(), 4, bad)
+    assert [v.keys for v in bad if v.rule == "ep-tp-split-block"] == [("plugins.tp.plan",)]
+    # the same plan leaving the MoE block's modules whole: no such problem
+    whole = Graph().add("tp", size=2, plan={"model.layers.*.self_attn.q_proj": "colwise"}).add(
+        "ep", size=2).add("fsdp2").compile(world_size=4)
+    bad = []
+    model_checks(whole, tiny_moe_shared_expert(), 4, bad)
+    assert not [v for v in bad if v.rule == "ep-tp-split-block"], bad
 
 
 @pytest.mark.parametrize("source, key", [

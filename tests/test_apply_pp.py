@@ -718,7 +718,7 @@ def test_tied_embeddings_under_a_v_with_a_data_parallel_wrap_are_refused():
     plan = Graph().add("pp", size=2, schedule="interleaved_1f1b").add("fsdp2").compile(
         world_size=4)
     assert not plan.registry.get("pp").model_check(model, plan.steps[0].options,
-                                                   MeshContext(plan.layout, "cpu"))
+                                                   MeshContext(plan.layout, "cpu"), {})
 
 
 @pytest.mark.parametrize("schedule", ["zero_bubble", "v_schedule", "DualPipeV"])

@@ -67,7 +67,7 @@ def _trainable(world: int) -> list[str]:
 def _pending_message(plan, step) -> str:
     check = plan.registry.get(step.plugin).model_check
     try:
-        found = check(None, step.options, None)
+        found = check(None, step.options, None, {})
     except Exception:  # a real model check needs the model: the plugin has landed
         return ""
     return " ".join(v.message for v in found)

@@ -237,6 +237,6 @@ def test_the_plugins_listing_names_each_exported_contract():
 
     rows = {row["name"]: row["exports"] for row in describe(builtin_registry())}
     assert rows["fsdp2"] == ["fully_shard (ShardUnit)"]
-    assert rows["tp"] == ["tensor_parallel (TPLayout)"]
+    assert rows["tp"] == ["tensor_parallel (TPLayout)", "tensor_parallel_plan (TPPlan)"]
     assert rows["activation_checkpointing"] == ["activation_checkpointing (Recomputation)"]
     assert rows["ddp"] == []  # data_parallel is a flag

@@ -90,6 +90,19 @@ class ShardUnit:
             unit.unshard()
 
 
+@attrs.frozen
+class TPPlan:
+    """Capability ``tensor_parallel_plan``: what tp's plan will split in a model, known before
+    anything is applied (tp exports it from its options; its ``apply`` resolves the same plan).
+    ``split(model)``: the FQNs of the modules the plan gives a style that splits their weights
+    (every style but ``replicate``), the model unchanged; ``keys``: where the plan comes from,
+    for a problem to name (``plugins.tp.plan``, or the model's own:
+    ``model.config.base_model_tp_plan``)."""
+
+    split: Callable[[nn.Module], list[str]]
+    keys: tuple[str, ...]
+
+
 @attrs.define(eq=False)
 class TPLayout:
     """Capability ``tensor_parallel``: what tp did to a model, for the plugins that build on it.
@@ -432,6 +445,7 @@ CONTRACTS: dict[str, type] = {
     "precision_policy": PrecisionPolicy,
     "fully_shard": ShardUnit,
     "tensor_parallel": TPLayout,
+    "tensor_parallel_plan": TPPlan,
     "sequence_parallel": SequenceSharding,
     "context_parallel": ContextSplit,
     "expert_parallel": RoutedBlocks,
@@ -450,6 +464,7 @@ CONTRACT_NOUNS: dict[str, str] = {
     "precision_policy": "the precision policy",
     "fully_shard": "the unit sharding",
     "tensor_parallel": "the tensor-parallel layout",
+    "tensor_parallel_plan": "the modules tp's plan splits",
     "sequence_parallel": "the sequence sharding",
     "context_parallel": "the context split",
     "expert_parallel": "the routed MoE blocks",

@@ -140,7 +140,7 @@ class Plan:
         for step in self.steps:
             plugin = self.registry.get(step.plugin)
             if plugin.model_check is not None:
-                found = plugin.model_check(model, step.options, ctx)
+                found = plugin.model_check(model, step.options, ctx, self.inputs_of(step, {}))
                 bad += [attrs.evolve(v, plugin=v.plugin or step.plugin,
                                      keys=tuple(step.user_keys.get(k, k) for k in v.keys))
                         for v in found]

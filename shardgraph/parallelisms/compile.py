@@ -125,7 +125,8 @@ def _no_cpp_compiler() -> str | None:
     return None
 
 
-def _model_check(model: nn.Module, options: CompileOptions, ctx: MeshContext) -> list[Violation]:
+def _model_check(model: nn.Module, options: CompileOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]) -> list[Violation]:
     bad = blocks_violation(model, options.blocks, "compile")
     if options.backend and options.backend not in _backends():
         bad.append(Violation(

@@ -111,7 +111,8 @@ def _device_problem(ctx: MeshContext) -> str | None:
     return None
 
 
-def _model_check(model: nn.Module, options: Float8Options, ctx: MeshContext) -> list[Violation]:
+def _model_check(model: nn.Module, options: Float8Options, ctx: MeshContext,
+                 inputs: dict[str, Any]) -> list[Violation]:
     bad = []
     try:
         import torchao.float8  # noqa: F401 - only whether it imports

@@ -32,8 +32,10 @@ class NoOptions:
 #: ``check(options, layout, settings) -> violations``: rules that need no model. Keys are option
 #: names (``"schedule"``) or ``"settings.<field>"``; the compiler maps them to the user's paths.
 Check = Callable[[Any, "MeshLayout", "Settings"], list[Violation]]
-#: ``model_check(model, options, ctx) -> violations``: run on every step before any step applies.
-ModelCheck = Callable[["nn.Module", Any, "MeshContext"], list[Violation]]
+#: ``model_check(model, options, ctx, inputs) -> violations``: run on every step before any step
+#: applies; ``inputs`` holds what the providers of the capabilities it consumes or reads export
+#: from their options (``export``: ep reads the modules tp's plan will split).
+ModelCheck = Callable[["nn.Module", Any, "MeshContext", dict[str, Any]], list[Violation]]
 #: ``apply(model, options, ctx, inputs) -> model``; ``inputs`` maps a consumed capability to the
 #: options of the plugin that provided it.
 Apply = Callable[["nn.Module", Any, "MeshContext", dict[str, Any]], "nn.Module"]
@@ -79,7 +81,7 @@ OptionFlags = Callable[[Any], dict[str, "OptionFlag"]]
 #: hook implementations against their specs): a wrong hook fails on load, not mid-``apply``.
 HOOKS: dict[str, tuple[str, ...]] = {
     "check": ("options", "layout", "settings"),
-    "model_check": ("model", "options", "ctx"),
+    "model_check": ("model", "options", "ctx", "inputs"),
     "apply": ("model", "options", "ctx", "inputs"),
     "grad_sync": ("model", "options", "enabled"),
     "after_forward_only": ("model", "options"),

@@ -42,7 +42,8 @@ class FSDP2Options:
     blocks: str | None = None
 
 
-def _model_check(model: nn.Module, options: FSDP2Options, ctx: MeshContext):
+def _model_check(model: nn.Module, options: FSDP2Options, ctx: MeshContext,
+                 inputs: dict[str, Any]):
     return blocks_violation(model, options.blocks, "fsdp2") or _tied_across(model, options)
 
 

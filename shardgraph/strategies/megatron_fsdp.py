@@ -48,7 +48,8 @@ def _check(options: MegatronFSDPOptions, layout, settings) -> list[Violation]:
     )]
 
 
-def _model_check(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContext):
+def _model_check(model: nn.Module, options: MegatronFSDPOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]):
     import torch
 
     missing = []

@@ -102,7 +102,8 @@ def scope_modules(model: nn.Module, globs: list[str]) -> dict[str, list[tuple[st
     return out
 
 
-def _model_check(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshContext):
+def _model_check(model: nn.Module, options: ActivationCheckpointingOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]):
     if not options.scopes:
         return blocks_violation(model, options.blocks, "activation_checkpointing")
     bad = []

@@ -64,7 +64,8 @@ def _check(options: ChunkedLossOptions, layout, settings) -> list[Violation]:
                       hint="e.g. chunk_size = 1024 (logits of 1024 tokens at a time)")]
 
 
-def _model_check(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext):
+def _model_check(model: nn.Module, options: ChunkedLossOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]):
     import torch.nn as nn
 
     head = output_embeddings(model)

@@ -93,7 +93,8 @@ def _check(options: CPOptions, layout, settings) -> list[Violation]:
     return bad
 
 
-def _model_check(model: nn.Module, options: CPOptions, ctx: MeshContext) -> list[Violation]:
+def _model_check(model: nn.Module, options: CPOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]) -> list[Violation]:
     key = ("plugins.cp.attention",)
     if options.attention != "allgather":
         need = "CUDA" if options.attention == "ring" else "CUDA and transformer-engine"

@@ -22,7 +22,8 @@ rank's ``router_logits``, as in one process (pp refuses it; under tp the routing
 summed over the tp ranks, whose routers score the other shares of the same tokens:
 ``RoutedBlocks.shared_over``). Not yet: ``wrap_outer_model = false`` is refused
 (fsdp2 always wraps the root); a tp plan that splits a module inside the MoE block (Qwen2-MoE's
-shared expert) is refused under ep, whose block computes a share of the tokens.
+shared expert) is refused under ep, whose block computes a share of the tokens: by the model
+check, before anything is applied, from the plan tp exports (``core.values.TPPlan``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ...core.costs import Comm, Cost
 from ...core.errors import Violation
 from ...core.model_config import read_layer_values, value_at
 from ...core.values import (
-    Applied, BatchShape, Recomputation, RoutedBlocks, ShardUnit, TPLayout, collective)
+    Applied, BatchShape, Recomputation, RoutedBlocks, ShardUnit, TPLayout, TPPlan, collective)
 from ...plugins import Kind, OptionFlag, Plugin
 
 if TYPE_CHECKING:  # torch loads when a step runs, not when the declaration is read
@@ -113,7 +114,8 @@ def _expert_placement(experts: nn.Module, ep_shard: int):
     return lambda param: Shard(1) if param.dim() == 3 else Shard(0)
 
 
-def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list[Violation]:
+def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]) -> list[Violation]:
     from ._layers import layout_problem, moe_layers
 
     layers = moe_layers(model)
@@ -146,31 +148,20 @@ def _model_check(model: nn.Module, options: EPOptions, ctx: MeshContext) -> list
                    "no router found (one sibling module whose weight is (num_experts, hidden))",
                    "set ignore_router_for_ac = false")
     bad = list(found.values())
-    if ctx.tp_size > 1:
-        bad += _tp_problems(model, layers)
+    plan: TPPlan | None = inputs.get("tensor_parallel_plan") if ctx.tp_size > 1 else None
+    if plan is not None:
+        bad += _tp_problems(model, layers, plan)
     return bad
 
 
-def _tp_problems(model: nn.Module, layers) -> list[Violation]:
-    """Under tp each tp rank's MoE block routes its own share of the tokens: a module the
-    model's tp plan splits inside the block (Qwen2-MoE's shared expert) would need the whole
-    sequence on every rank."""
-    bad = []
-    from ._layers import plan_names
-
-    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    split = _split_inside([layer.fqn.rpartition(".")[0] for layer in layers], dict(
-        model.named_modules()), lambda fqn: plan_names(fqn, plan))
-    if split:
-        bad.append(_split_violation(split, ("model.config.base_model_tp_plan",
-                                            "plugins.tp.plan")))
-    return bad
-
-
-def _split_inside(blocks: list[str], modules: dict[str, nn.Module], is_split) -> list[str]:
-    """The modules inside the MoE ``blocks`` (FQNs) that ``is_split`` says tp splits."""
-    return [fqn for block in blocks for fqn in modules
-            if fqn.startswith(block + ".") and is_split(fqn)]
+def _tp_problems(model: nn.Module, layers, plan: TPPlan) -> list[Violation]:
+    """Under tp each tp rank's MoE block routes its own share of the tokens: a module tp's plan
+    (the model's own or a user's) splits inside the block (Qwen2-MoE's shared expert) would
+    need the whole sequence on every rank."""
+    blocks = [layer.fqn.rpartition(".")[0] for layer in layers]
+    split = [fqn for fqn in plan.split(model)
+             if any(fqn.startswith(block + ".") for block in blocks)]
+    return [_split_violation(split, plan.keys)] if split else []
 
 
 def _split_violation(split: list[str], keys: tuple[str, ...]) -> Violation:
@@ -186,7 +177,6 @@ def _split_violation(split: list[str], keys: tuple[str, ...]) -> Violation:
 
 
 def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[str, Any]):
-    from ...core.errors import PlanError
     from ._dispatch import shard_experts
     from ._layers import moe_layers
     from ._router import keep_router_outputs
@@ -197,10 +187,6 @@ def _apply(model: nn.Module, options: EPOptions, ctx: MeshContext, inputs: dict[
     tp: TPLayout | None = inputs.get("tensor_parallel") if ctx.tp_size > 1 else None
     layers = moe_layers(model)
     blocks = [layer.fqn.rpartition(".")[0] for layer in layers]
-    if tp is not None:  # a user's plan (the model's own was checked before any change)
-        split = _split_inside(blocks, dict(model.named_modules()), set(tp.split()).__contains__)
-        if split:
-            raise PlanError([_split_violation(split, ("plugins.tp.plan",))])
     ep_mesh, ep_shard_mesh = ctx.mesh(Axis.EP), ctx.mesh(Axis.EP_SHARD)
     # the gradients of the tokens of dp * cp replicas of the model (tp's ranks hold shares of
     # the same tokens): their mean is what the dense parameters get
@@ -326,8 +312,10 @@ PLUGIN = Plugin(
     # its precision and offload settings): the strategy must provide one.
     requires={"fully_shard"},
     # tensor_parallel: under tp each rank's MoE block takes its own share of the tokens, from
-    # the residual stream as tp (and sp, after this step) lay it out
-    reads={"fully_shard", "activation_checkpointing", "tensor_parallel"},
+    # the residual stream as tp (and sp, after this step) lay it out; tensor_parallel_plan:
+    # what tp will split, refused inside an MoE block before anything is applied
+    reads={"fully_shard", "activation_checkpointing", "tensor_parallel",
+           "tensor_parallel_plan"},
     conflicts_with=_conflicts_with,
     # sp and cp lay the sequence out around what this step leaves: the routed blocks stay on
     # each rank's own tokens

@@ -189,7 +189,8 @@ def _not_linear(fqn: str, module) -> Violation:
     return Violation("lora-target", ("plugins.lora.target_modules",), why, hint=hint)
 
 
-def _model_check(model: nn.Module, options: LoRAOptions, ctx: MeshContext) -> list[Violation]:
+def _model_check(model: nn.Module, options: LoRAOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]) -> list[Violation]:
     return [attrs.evolve(v, plugin="lora") for v in _targets(model, options).problems]
 
 

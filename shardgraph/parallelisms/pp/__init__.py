@@ -263,7 +263,7 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: int | None) -> 
     return out
 
 
-def _model_check(model, options: PPOptions, ctx) -> list[Violation]:
+def _model_check(model, options: PPOptions, ctx, inputs) -> list[Violation]:
     from ._split import model_violations
 
     lay = ctx.layout

@@ -71,7 +71,8 @@ def _decoder(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if any(c is embed for c in m.children())), base)
 
 
-def _model_check(model: nn.Module, options: NoOptions, ctx: MeshContext) -> list[Violation]:
+def _model_check(model: nn.Module, options: NoOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]) -> list[Violation]:
     config = getattr(model, "config", None)
     decoder = _decoder(model)
     if config is None or decoder is None:

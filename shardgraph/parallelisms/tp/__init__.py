@@ -34,6 +34,7 @@ along the sequence through the layout this step exports (``core.values.TPLayout`
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -42,7 +43,7 @@ from ...core.axes import Axis
 from ...core.blocks import output_embeddings
 from ...core.costs import Comm, Cost
 from ...core.errors import Violation, choices_hint, did_you_mean
-from ...core.values import Applied, BatchShape, TPLayout
+from ...core.values import Applied, BatchShape, TPLayout, TPPlan
 from ...plugins import Kind, Plugin
 from . import _collectives as counted
 from . import _config, _unsummed
@@ -238,8 +239,22 @@ def _weight_layout(style: str | None, module: nn.Module) -> str:
     return "packed rows" if style == "packed_colwise" else "whole"
 
 
-def _model_check(model: nn.Module, options: TPOptions, ctx: MeshContext) -> list[Violation]:
+def _model_check(model: nn.Module, options: TPOptions, ctx: MeshContext,
+                 inputs: dict[str, Any]) -> list[Violation]:
     return [attrs.evolve(v, plugin="tp") for v in _resolve(model, options, ctx.tp_size).problems]
+
+
+def _export(options: TPOptions, layout, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The modules the plan will split, for the model checks of the plugins that build on tp
+    (ep refuses a split module inside an MoE block before anything is applied)."""
+    keys = ("plugins.tp.plan",) if options.plan is not None else (
+        "model.config.base_model_tp_plan", "plugins.tp.plan")
+    return {"tensor_parallel_plan": TPPlan(functools.partial(_split, options, layout.tp), keys)}
+
+
+def _split(options: TPOptions, tp: int, model: nn.Module) -> list[str]:
+    return [fqn for fqn, style in _resolve(model, options, tp).matched.items()
+            if style != "replicate"]
 
 
 def _apply(model: nn.Module, options: TPOptions, ctx: MeshContext, inputs: dict[str, Any]):
@@ -332,7 +347,8 @@ PLUGIN = Plugin(
     options=TPOptions,
     axis=Axis.TP,
     within_node=True,
-    provides={"tensor_parallel", "model_parallel"},
+    provides={"tensor_parallel", "tensor_parallel_plan", "model_parallel"},
+    export=_export,
     cost=_cost,
     before={"context_parallel", "expert_parallel", "activation_checkpointing", "data_parallel"},
     check=_check,
