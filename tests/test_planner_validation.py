@@ -2,88 +2,16 @@
 cited): the efficiency constants are the fit on the ``fit`` rows, and the error on the ``test``
 rows (which the fit never saw) stays under the stated bounds.
 
-Bounds, from the run that fitted the constants: held-out step-time mean absolute percentage error
-4.73% over the 317 rows of dense models (issue 21's bound, 5%), 3.6% over the 299 of them not in
-``MISSES``, 5.3% over 325 with the eight Qwen3 mixture-of-experts rows, since llm-foundry's A100
-40GB table (May 2023, torch 1.13) is a stack of its own, its size sweep fit data as the other
-llm-foundry tables' are (``test_a_torch_stack_the_fit_never_saw_keeps_its_scaling``); before,
-5.03% over the 324 (bound 5.1%: issue 21's 5% held at 4.995% over 321 until
-Megatron-Bridge 26.06's three dense GB200 runs joined, +14%, +11% and -1%: B200's ceiling and
-attention share are fitted on one attention-heavy run, see ``_GPT3_B200``), 3.9% over the 306 of
-them not in ``MISSES``, 5.6% over 332 with the eight Qwen3 mixture-of-experts rows (bound
-6.5%; Megatron-Bridge 25.11's four -76% to +14%, 26.06's three -6% to +2%, NeMo AutoModel's +5%),
-no row off by more than 76% (25.11's MoE rows; bound 80%); llm-foundry's 192 4.0%; held-out memory
-MAPE 3.1% over 16 rows (bound 10%; 4.3% before each pipeline stage's fsdp2 gradients were freed
-after its own last backward), none more than 5% under a measured peak. The figures since,
-each as measured when its change landed (the misses' current figures are in ``MISSES``): 4.995%
-over the 321 (3.84% over the 303) since fsdp2's root is priced gathered once a micro-batch, as
-torch leaves it unsharded through backward (4.987% and 3.83% priced as a block); 5.4% over
-the 321 (22 past 15%; NeMo's seven held-out long-sequence runs 9.9%, -15% at 32K to +4% at 512K,
-its tp 4 runs priced 13% fast and its tp 8 run 4% slow at the same 32K tokens a rank) while flash
-attention was priced at a share of the linears' efficiency, 5.3% over the 314 before NeMo's runs
-(3.9% over the 292 not in ``MISSES`` then, llm-foundry's 4.4%, its 125M at 32K and 64K tokens on
-A100 +18% and +21%); 5.2% over the 312 (3.9% over 290 not in ``MISSES``) before
-Megatron-Bridge's two GB200 runs (its 8B -6.9%: the same recipe ran 2.9% faster than on B200, where
-GB200's datasheet peak is 11% above B200's; its 405B at tp 4 x pp 16 +8.9%); 5.8% over the 312
-(4.6% over 289 within 15%; the 120 6.3%, llm-foundry's 5.5%; with the MoE rows 6.4%) before a
-recomputation that stops early was priced (torch's checkpoint since 2.1 does not run a block's down
-projection again); 7.0% over 325 before a ring's latency was NCCL's and the intensity curve (x0,
-k0) was fitted on llm-foundry's size sweep (whose 13 runs left the held-out set then), on the same
-310 rows 6.9% against 5.8%. Earlier: 7.0% over the 325 rows of dense models (bound 7.5%; 6.6% over
-the 120 before MosaicML's llm-foundry runs of MPT 125M to 70B under torch FSDP on 8 to 512 H100s
-and 8 to 128 A100s of 80 and 40 GB at 512 to 65,536 tokens, a stack with a ceiling and attention
-share of its own on each die fitted on two of its runs: the other 205 7.2%, 4.9% over the 178
-within 15%, the 7B on 512 H100s +14%, its 1B and 3B with ZeRO-2 on 512 +16% and +19%, its narrow
-models' attention +15% to +43%, its 30B at 8,192 tokens on one node -23% and two outliers of the
-40GB table ``MISSES``; 6.9% over 319 before the six ZeRO-2 runs, 7.0% over 241 before the 40GB
-table's 78; 6.8% over the 105 before MLPerf's runs on GB200 NVL72, a rack of 72 as one NVLink
-domain: v5.0's Llama 3.1 405B on 256 to 2,496 GPUs, -1.7% to +2.1%, its Llama 2 70B LoRA on 8 to
-512, -11% to -18% (``MISSES``: GB200 priced as B200's die at its datasheet peak), v5.1's, NVIDIA's
-and Wiwynn's, on 72 to 576, +0.5% to +8.2%); 6.1% over the 92 before the University of Florida's
-MLPerf v5.1 runs on B200: Llama 3.1 8B on 8 to 256 GPUs, +0.6%, -0.2%, +4.2%, +12.4%, +30% and +63%
-(``MISSES``: ring latency at 256 ranks), Llama 3.1 405B on 256 and 448, +2.5% and +1.2%, Llama 2
-70B LoRA on 8 to 128 with cp 1, 4 and 8, +6.4% to +11.5% (v5.0's runs of two of those layouts,
-whose steps took 15% and 19% longer, -6.1% and -8.3%); 6.2% over the 89 before Krai's MLPerf v5.1
-Llama 2 70B LoRA runs with tp 2 and 4 and no cp on 16 to 64 H200s, -5.6%, +3.8% and +3.1%; 5.8%
-over the 86 before MLPerf v5.1's three Llama 3.1 8B runs on H100 and H200, -14%, -27% and +6%; 5.9%
-over the 83 before Megatron-Bridge 26.06's Llama 3.1 405B, Llama 3 70B SFT and LoRA on H100, -1.6%,
--7.0% and -3.1%; 6.1% before Transformer Engine's FP8 attention was priced,
-cost.Efficiency.float8_attention; 6.3% before a matmul's short reduction was priced,
-cost.efficiency's k0; 5.9% over the 81 before Oracle's two MLPerf v5.0 LoRA runs), 7.5% over 329
-(7.7% over 245 before the 40GB table's, 8.0% over 124 before llm-foundry's, 8.4% over the 109
-before GB200's) with Megatron-Bridge's four Qwen3 mixture-of-experts rows, -74% to +11% (bound 9%:
-the planner's MoE step times are calibrated on no run; ``MISSES``; 9.0% with the 235B on 256 H100s
-at +76% before a tp rank's dispatch was priced as its share of the sequence); MLPerf Training
-v5.0's seven Llama 3.1 405B runs -4.4% to +0.1%, its Llama 2 70B LoRA on 8 B200s -6.1%, Oracle's on
-64 B200s with cp 8 -8.3% and on 512 H200s without CUDA graphs -38% (``MISSES``: Azure's run of the
-same code and layout with them took 28% less); the 68 rows held out before Dell's, Lenovo's and
-v5.0's runs: 6.5% -> 6.3% with H200's Transformer Engine ceiling fitted on Dell's; the 60 before
-MLPerf Training v4.1's: 6.1% -> 5.7% with Transformer Engine's H100s calibrated on their own; 4.9%
-over the 53 before v4.0's), no held-out row off by more than 80% (the worst: the MoE rows, the
-University of Florida's 8B on 256 B200s and Oracle's run without CUDA graphs, then MLPerf v4.0's
-Llama 2 70B LoRA with cp 2 on 1,024 and 64 H100s, -29% and -25% (``MISSES``: the host's launches,
-which v4.1's CUDA graphs removed), torchtitan's 8B at 64k tokens with cp 2, +28%, Cisco's MLPerf
-v5.1 Llama 3.1 8B with tp 2 on 128 H100s, -27%, MLPerf v4.1's GPT-3 175B on 64 B200s, +21%
-(``MISSES``), Azure's LoRA with tp 4 x cp 2 on 512 H200s, -14% (-17% with its bf16 attention priced
-as the one-node runs' FP8 attention), Cisco's 8B on 64 H100s, -14%, MLPerf v4.1's LoRA with cp 2 on
-8 B200s, -13%, NeMo AutoModel's Qwen2.5 7B LoRA on one GPU, +13% (its liger-kernel norms and
-activations priced eager), torchtitan's 405B pipelines of Table 5, -13% (interleaved) and -12%
-(1F1B), its 8B on 32 and 64 H200s priced with H100's ceiling, -12%, Dell's LoRA with tp 4 x cp 2 on
-64 H100s, -11%, torchtitan's 8B at 32k, +11%, NVIDIA's v4.1 LoRA with tp 4 x cp 2 on 1,024 and 64
-H100s, -10% and -9%, torchtitan's 70B float8 with async TP, +9% (torch's async TP of June 2025
-hides more than the December 2024 pair its share is fitted on), Megatron-Bridge's 405B with cp 2 on
-1,024 H100s, -9%, Oracle's LoRA with cp 8 on 64 B200s, -8%, AutoModel's 70B FSDP 32 x CP 2, +8%,
-and HPE's MLPerf v5.1 8B with cp 2 on 64 H200s, +6%; Transformer Engine's other H100 and H200 rows,
-Megatron-Bridge's and MLPerf's GPT-3 (Oracle's on 1,536 H100s -7.4%) and LoRA runs without cp or on
-one node, -7.4% to +5.9%); held-out memory MAPE 3.1% over 16 rows (bound 10%), none more than 5%
-under a measured peak (the furthest: torchtitan's 405B 1F1B of Table 5 and its 405B at 256k tokens
-with cp 8, -4.7%; bound -5%), its 405B interleaved +0.5% (measured 10 GiB under 1F1B: with one
-round of micro-batches each stage frees its gradients and parameters before the rank's other
-stage's backwards start; +19.6% priced with both stages' live), its other 4D runs +3% to +5%,
-its 8B long-sequence runs +4% to +5%, its 8B runs of Tables 1 and 3 +1.2% to +3.4% (a compiled
-block keeps a fitted 0.87 of what an eager one keeps, whose RMSNorm keeps an fp32 copy of its
-input), its 2025 runs on H200 +1.3% and -0.5% (their loss compiled). Run
-``python -m shardgraph.planner.calibration`` for the full table. """
+Where the constants stand (``python -m shardgraph.planner.calibration`` prints every row):
+held-out step-time mean absolute percentage error 4.73% over the 317 rows of dense models
+(issue 21's bound, 5%), 3.6% over the 299 of them not in ``MISSES``, 5.3% over 325 with the
+eight Qwen3 mixture-of-experts rows, no row off by more than 76% (Megatron-Bridge 25.11's MoE
+rows, whose dispatcher set the step: ``_MOE_SMALL``); held-out memory 3.1% over 16 rows, none
+more than 5% under a measured peak (the furthest: torchtitan's 405B 1F1B of Table 5 and its
+405B at 256k tokens with cp 8, -4.7%). ``MISSES`` lists the held-out dense rows priced more
+than 15% off, each with what is known of why. How each figure moved with each change of the
+model is in the project's history (``git log`` of this file and of ``published.toml``); the
+bounds below say where they stood before the mechanisms that tightened them."""
 
 from __future__ import annotations
 
