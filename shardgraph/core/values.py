@@ -464,7 +464,7 @@ CONTRACT_NOUNS: dict[str, str] = {
     "precision_policy": "the precision policy",
     "fully_shard": "the unit sharding",
     "tensor_parallel": "the tensor-parallel layout",
-    "tensor_parallel_plan": "the modules tp's plan splits",
+    "tensor_parallel_plan": "the tensor-parallel plan",
     "sequence_parallel": "the sequence sharding",
     "context_parallel": "the context split",
     "expert_parallel": "the routed MoE blocks",
