@@ -8,16 +8,21 @@ cp needs a data-parallel strategy (its ranks hold the same parameters): fsdp2 sh
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.bias import CausalVariant
 from torch.distributed._composable import _get_registry
 from transformers import PreTrainedConfig
 
 from shardgraph import Graph, MeshContext, PlanError
+from shardgraph.parallelisms.cp import _attention as cp_attention
 from shardgraph.parallelisms.cp import shard_batch
 from tests import _dist
 from tests.models import batch, max_param_diff, tiny_llama, tiny_qwen3
@@ -60,7 +65,8 @@ def _scenario(name: str, world_size: int) -> dict:
     model = parallel.module
     dp = ctx.mesh("dp")
     local = tokens.chunk(dp.size())[dp.get_local_rank()]
-    loss, inputs = _train_step(model, local, parallel.prepare_batch)
+    with _attention_calls() as calls:
+        loss, inputs = _train_step(model, local, parallel.prepare_batch)
     total = torch.tensor([loss])
     dist.all_reduce(total, group=dp.get_group())
     result = {
@@ -71,11 +77,29 @@ def _scenario(name: str, world_size: int) -> dict:
         "dp_batch": local,
         "inputs": {k: v for k, v in inputs.items() if k != "shift_labels"},
         "checkpointed": "checkpoint" in (_get_registry(model.model.layers[0]) or {}),
+        "attention_calls": calls,
     }
     if name == "llama_cp":
         result["refused"] = [_refusal(lambda: model(input_ids=local, labels=local)),
                              _refusal(lambda: parallel.prepare_batch({"input_ids": local[:, :6]}))]
     return result
+
+
+@contextlib.contextmanager
+def _attention_calls():
+    """The (queries, keys, causal variant) of each SDPA call cp's attention makes (its module's
+    own ``F``: torch's is left alone, whose CausalBias dispatch compares against it)."""
+    calls = []
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[2], key.shape[2], getattr(attn_mask, "variant", attn_mask)))
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    cp_attention.F = types.SimpleNamespace(scaled_dot_product_attention=spy)
+    try:
+        yield calls
+    finally:
+        cp_attention.F = F
 
 
 def _refusal(call) -> str | None:
@@ -118,6 +142,26 @@ def _exact(results, name):
 def test_cp2_matches_reference(world2, name):
     _exact(world2, name)
     assert world2[0][name]["steps"] == ["cp", "fsdp2"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, chunks", [
+    ("llama_cp", [[0, 3], [1, 2]]),  # of 4 chunks of 2 tokens: an early and a late one a rank
+    ("llama_cp_unbalanced", [[0], [1]]),  # of 2 chunks of 4 tokens
+])
+def test_each_chunk_attends_the_keys_up_to_its_end(world2, name, chunks):
+    """Causal attention's work, not the whole square: each rank's chunk of queries attends the
+    gathered keys up to its own end under a lower-right causal bias (flash attention's kernel
+    on a GPU; no mask of queries x keys built), once a layer in forward (two layers here)."""
+    size = SEQ // (2 * 2 if name == "llama_cp" else 2)
+    for r in world2:
+        want = [(size, (c + 1) * size, CausalVariant.LOWER_RIGHT)
+                for c in chunks[r[name]["cp_rank"]]]
+        assert r[name]["attention_calls"] == want * 2, r[name]["attention_calls"]
+    # the whole square (every local query against the gathered sequence) would be SEQ // 2 x
+    # SEQ a rank and a layer
+    work = sum(q * k for r in world2 for q, k, _ in r[name]["attention_calls"])
+    assert work < 2 * 2 * (SEQ // 2) * SEQ, work
 
 
 @pytest.mark.multiprocess

@@ -3,7 +3,9 @@
 Each cp rank holds ``1/cp`` of every sequence (load-balanced: chunk ``r`` and its mirror
 ``2*cp-1-r`` of ``2*cp`` chunks, so causal attention costs every rank the same). Attention runs
 through a function registered with transformers' attention interface that all-gathers K/V over
-the cp group; the attention mask is dropped and attention is causal by global position.
+the cp group; the attention mask is dropped and each chunk of queries attends the keys up to its
+own end, causal at the lower right: causal attention's work, flash attention's kernel where the
+device has one, no mask of queries x keys in memory (``_attention.attention``).
 
 A training loop makes one call — :func:`shard_batch` — and uses the model as before::
 
@@ -259,6 +261,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh | None,
         raise ValueError("context parallelism takes no padding mask: pad on the right with "
                          f"labels = {IGNORE_INDEX} instead (attention is causal)")
     index = _cp_attention.token_index(seq, cp, rank, state.load_balance).to(tokens.device)
+    _cp_attention.biases(seq, cp, state.load_balance)  # before the forward, not in it
     out = {k: v for k, v in batch.items() if k not in (
         "input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")}
     for key in ("input_ids", "inputs_embeds"):

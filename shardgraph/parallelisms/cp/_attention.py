@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 try:  # torch 2.13 deprecates all_gather_tensor_autograd in favour of this, its implementation
     from torch.distributed._functional_collectives import all_gather_single_autograd as _gather
@@ -20,25 +22,54 @@ except ImportError:  # pragma: no cover - older torch
 
 def token_index(seq: int, cp: int, rank: int, load_balance: bool) -> torch.Tensor:
     """Global positions (0..seq-1) of the tokens rank ``rank`` holds, in its local order."""
-    if not load_balance:
-        size = seq // cp
-        return torch.arange(rank * size, (rank + 1) * size)
-    size = seq // (2 * cp)
-    late = 2 * cp - 1 - rank
-    return torch.cat([torch.arange(rank * size, (rank + 1) * size),
-                      torch.arange(late * size, (late + 1) * size)])
+    size = seq // (2 * cp if load_balance else cp)
+    return torch.cat([torch.arange(c * size, (c + 1) * size)
+                      for c in chunks(cp, rank, load_balance)])
+
+
+#: (queries, keys) -> the lower-right causal bias of a chunk of queries over the keys up to its
+#: end: made by ``shard_batch`` before the forward (``biases``), not inside it, where a
+#: selective checkpoint's dispatch mode or a compiled region would see it made in the forward
+#: and not in the recomputation
+_BIASES: dict[tuple[int, int], CausalBias] = {}
+
+
+def biases(seq: int, cp: int, load_balance: bool) -> None:
+    """Make the causal biases a sequence of ``seq`` tokens split over ``cp`` ranks attends with
+    (every rank's chunks). A tensor subclass cannot be created under a dispatch mode
+    (``CommDebugMode``, a selective checkpoint's), so they are made outside any."""
+    n = 2 * cp if load_balance else cp
+    size = seq // n
+    with _disable_current_modes():
+        for c in range(n):
+            if (size, (c + 1) * size) not in _BIASES:
+                _BIASES[(size, (c + 1) * size)] = causal_lower_right(size, (c + 1) * size)
+
+
+def chunks(cp: int, rank: int, load_balance: bool) -> list[int]:
+    """The sequence chunks rank ``rank`` holds, in its local order: of ``2 * cp`` chunks an
+    early and a late one with load balancing, else one of ``cp``."""
+    return [rank, 2 * cp - 1 - rank] if load_balance else [rank]
 
 
 def attention(mesh: DeviceMesh, load_balance: bool):
     """A transformers attention function (``AttentionInterface``) over the cp group of ``mesh``.
 
-    Exact causal attention: local queries against the K/V of the whole sequence, masked by
-    global token position. The all-gather is the autograd-aware functional collective, whose
+    Exact causal attention: K/V all-gathered and put in sequence order; each local chunk of
+    queries attends the keys up to its own end, causal at the lower right
+    (``torch.nn.attention.bias.causal_lower_right``): causal attention's work and no mask in
+    memory (flash attention's kernel where the device has one; K/V at their own heads'
+    width, ``enable_gqa``). The all-gather is the autograd-aware functional collective, whose
     backward reduce-scatters dK/dV to the ranks that own them (the ``torch.distributed.nn``
     all-gather returns wrong gradients on gloo for a non-contiguous incoming gradient, which
     SDPA's backward produces).
     """
     cp, rank = mesh.size(), mesh.get_local_rank()
+    mine = chunks(cp, rank, load_balance)
+    # where each chunk of the sequence sits in the all-gathered K/V (rank by rank, each rank's
+    # in its local order)
+    gathered = [c for r in range(cp) for c in chunks(cp, r, load_balance)]
+    where = [gathered.index(c) for c in range(len(gathered))]
 
     def cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
@@ -48,20 +79,18 @@ def attention(mesh: DeviceMesh, load_balance: bool):
                 "a sliding window, logit soft-capping or attention sinks")
         if not getattr(module, "is_causal", True):
             raise NotImplementedError("context-parallel attention is causal; this layer is not")
-        local = query.shape[2]
-        keys = _gather(key.contiguous(), 2, mesh)
-        values = _gather(value.contiguous(), 2, mesh)
-        seq = local * cp
-        q_pos = token_index(seq, cp, rank, load_balance).to(query.device)
-        k_pos = torch.cat([token_index(seq, cp, r, load_balance) for r in range(cp)])
-        # Keys stay in gathered order: softmax does not care, the mask follows positions.
-        allowed = k_pos.to(query.device)[None, :] <= q_pos[:, None]
-        groups = query.shape[1] // keys.shape[1]
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=allowed, dropout_p=dropout, scale=scaling)
+        size = query.shape[2] // len(mine)
+        if (size, (mine[-1] + 1) * size) not in _BIASES:  # the model called without shard_batch
+            biases(size * (2 * cp if load_balance else cp), cp, load_balance)
+        order = torch.cat([torch.arange(w * size, (w + 1) * size, device=key.device)
+                           for w in where])
+        keys = _gather(key.contiguous(), 2, mesh).index_select(2, order)
+        values = _gather(value.contiguous(), 2, mesh).index_select(2, order)
+        gqa = query.shape[1] != keys.shape[1]
+        out = torch.cat([F.scaled_dot_product_attention(
+            q, keys[:, :, :end], values[:, :, :end], attn_mask=_BIASES[(size, end)],
+            dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+            for q, end in zip(query.split(size, dim=2), ((c + 1) * size for c in mine))], dim=2)
         return out.transpose(1, 2).contiguous(), None
 
     return cp_attention
