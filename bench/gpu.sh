@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-# the planner's attention share, measured: causal SDPA against the block's matmuls (~30 s)
+# the planner's attention share, measured: causal SDPA against the block's matmuls, and cp's
+# lower-right chunk (does flash attention take it?) (~30 s)
 timeout --signal=INT 90 python3 bench/gpu_attention.py || true
 # ep's local experts, one grouped GEMM a projection against one linear per expert (~20 s)
 timeout --signal=INT 45 python3 bench/ep_experts.py --repeat 10 || true

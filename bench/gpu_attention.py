@@ -9,7 +9,9 @@ the torch on this machine: a bf16 matmul of an 8B block's MLP shape (tokens x 40
 and causal SDPA forward + backward (32 query heads, 8 K/V heads through ``enable_gqa``, head
 dim 128) at each sequence length and each backend torch offers, counted as the planner counts
 them (a causal forward is 2 s^2 h d FLOPs per sequence, its backward 2.5 forwards: flash
-recomputes the scores). The share printed is attention's TFLOP/s over the matmul's.
+recomputes the scores). The share printed is attention's TFLOP/s over the matmul's. A last line
+a length times cp's attention on its costliest chunk at cp 2 (lower-right causal through
+``CausalBias``, ``enable_gqa``) and says whether flash attention takes it.
 
     python bench/gpu_attention.py                 # H100 / H200: about 30 s
     python bench/gpu_attention.py --device cpu --tiny   # a smoke run: does it run?
@@ -98,7 +100,35 @@ def main(argv=None) -> int:
             tflops = flops / seconds / 1e12
             print(f"| {seq} | {backend} | {seconds * 1e3:.2f} | {tflops:.3g} | "
                   f"{tflops / matmul_tflops:.3g} |")
+        print(_cp_chunk(q, k, v, seq, heads, hd, args.repeats, sync, matmul_tflops))
     return 0
+
+
+def _cp_chunk(q, k, v, seq: int, heads: int, hd: int, repeats: int, sync,
+              matmul_tflops: float) -> str:
+    """cp's attention (``parallelisms/cp/_attention.py``) on its costliest chunk at cp 2: the
+    last quarter of the queries against every key, causal at the lower right through
+    ``CausalBias`` with ``enable_gqa``; the line says whether flash attention takes that call
+    (else torch falls back to a kernel that materialises the mask)."""
+    import torch.nn.functional as F
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+    from torch.nn.attention.bias import causal_lower_right
+
+    size = seq // 4
+    chunk = q[:, :, -size:].detach().requires_grad_()
+    grad = chunk.detach().clone().normal_()
+    flash = q.is_cuda and can_use_flash_attention(SDPAParams(chunk, k, v, None, 0.0, False, True))
+    bias = causal_lower_right(size, seq)
+
+    def step():
+        F.scaled_dot_product_attention(chunk, k, v, attn_mask=bias, enable_gqa=True).backward(grad)
+
+    seconds = _time(step, repeats, sync)
+    # the pairs a lower-right causal chunk attends: every key before it, and a triangle
+    flops = 3.5 * 4 * (size * seq - size * size / 2) * heads * hd
+    tflops = flops / seconds / 1e12
+    return (f"| {seq} | cp chunk (lower right, GQA; flash {'yes' if flash else 'no'}) | "
+            f"{seconds * 1e3:.2f} | {tflops:.3g} | {tflops / matmul_tflops:.3g} |")
 
 
 if __name__ == "__main__":

@@ -52,16 +52,19 @@ def test_the_gpu_benchmark_rows_run_and_a_row_that_cannot_says_why(tmp_path, cap
 def test_the_attention_share_benchmark_runs_and_a_backend_that_cannot_says_why(
         tmp_path, capsys, monkeypatch):
     """``bench/gpu_attention.py`` (the first part of ``bench/gpu.sh``): on CPU with tiny shapes,
-    a line per sequence length and SDPA backend, torch's default pick timed, and a backend this
-    machine lacks (cuDNN on CPU) a line naming why; at full size on CPU it refuses."""
+    a line per sequence length and SDPA backend, torch's default pick timed, a backend this
+    machine lacks (cuDNN on CPU) a line naming why, and cp's chunk timed; at full size on CPU
+    it refuses."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_attention.py"), "--device", "cpu", "--tiny",
          "--repeats", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| seq")]
+    cp = "cp chunk (lower right, GQA; flash no)"  # cp's attention; no flash kernel on CPU
     assert [(r[0], r[1]) for r in rows] == [(s, b) for s in ("64", "128") for b in (
-        "default", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")], out.stdout
+        "default", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", cp)], out.stdout
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows if r[1] == cp), out.stdout
     default = [r for r in rows if r[1] == "default"]
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in default), default
     assert any(r[2] == "n/a" and r[4] for r in rows if r[1] == "CUDNN_ATTENTION"), out.stdout
