@@ -417,14 +417,11 @@ def held_out(eff: Efficiency = FITTED) -> dict[str, tuple[int, float, float, flo
     for ``FITTED`` (``estimate`` says it beside each step time; a test checks the two agree).
     Mixtures of experts have a caveat of their own (``render.caveat_lines``)."""
     found: dict[str, list[float]] = {}
-    for row in rows():
-        if row.split != "test" or row.metric is None or row.shape.is_moe:
-            continue
+    held = [r for r in rows() if r.split == "test"]
+    for row, err in zip(held, errors(eff, "test")):  # errors() walks the same rows
         name = eff.priced_as(row.gpu.name)
-        if name in PRESETS:
-            t = step_time(row.shape, row.view, row.setup, row.gpu, eff)["step_time_s"]
-            pub = row.published_step_s()
-            found.setdefault(name, []).append((t - pub) / pub)
+        if err["time_error"] is not None and not row.shape.is_moe and name in PRESETS:
+            found.setdefault(name, []).append(err["time_error"])
     return {name: (len(e), round(sum(map(abs, e)) / len(e), 3), round(min(e), 3),
                    round(max(e), 3)) for name, e in sorted(found.items())}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..graphs.toml import distributed_form
+
 GiB = 2**30
 
 
@@ -125,8 +127,6 @@ def _toml(row: dict[str, Any], form: str | None = None,
     """The row's plan as TOML, in the file's form: ``[plugins.*]`` tables, or the
     ``[distributed]`` ones a file in that form reads back (``graphs.toml.distributed_form``;
     where the plan has no such spelling, the graph form and why)."""
-    from ..graphs.toml import distributed_form
-
     out = []
     tables = dict(row["pipeline"]["plugins"])
     written, why = distributed_form(tables, dp_size=dp_size and dp_size["size"]) \
